@@ -1,0 +1,84 @@
+//! Hugging Face model directories, read without loading any weights.
+//!
+//! `config.json` comes in two layouts: the Hub's (`torch_dtype`, `rope_theta` and
+//! `rope_scaling` at the top of `text_config`) and transformers v5's (`dtype`,
+//! `rope_parameters`). Both parse into the same typed structs, with transformers'
+//! defaults filled in for every field a Hub config leaves out (llava-1.5-7b-hf's
+//! `text_config` names only five fields).
+
+mod defaults;
+mod files;
+mod llava;
+
+pub use files::{ModelDir, WeightFiles};
+pub use llava::{ClipVisionConfig, FeatureSelect, LlamaConfig, LlavaConfig};
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("model directory {0} does not exist or is not a directory")]
+    NotADirectory(PathBuf),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error("unsupported architecture {0:?} (supported: LlavaForConditionalGeneration)")]
+    UnsupportedArchitecture(String),
+    #[error("{0}: no weights found (model.safetensors or model.safetensors.index.json)")]
+    NoWeights(PathBuf),
+}
+
+/// What a model directory holds, by family.
+#[derive(Debug, Clone)]
+pub enum ModelConfig {
+    Llava(LlavaConfig),
+}
+
+impl ModelConfig {
+    /// Parses a `config.json` value, dispatching on `model_type` / `architectures`.
+    pub fn from_json(value: &serde_json::Value) -> Result<Self, String> {
+        let model_type = value.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+        let arch = value
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .unwrap_or("");
+        if model_type == "llava" || arch == "LlavaForConditionalGeneration" {
+            return LlavaConfig::from_json(value).map(ModelConfig::Llava);
+        }
+        Err(format!(
+            "unsupported architecture {:?} (model_type {:?}); supported: LlavaForConditionalGeneration",
+            arch, model_type
+        ))
+    }
+
+    /// Hidden size of the language model: the width of one embedding row.
+    pub fn lm_hidden_size(&self) -> usize {
+        match self {
+            ModelConfig::Llava(c) => c.text.hidden_size,
+        }
+    }
+
+    /// Vocabulary size of the language model (rows of the embedding table).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Llava(c) => c.text.vocab_size,
+        }
+    }
+
+    /// The dtype the checkpoint declares (`float32`, `bfloat16`, `float16`).
+    pub fn dtype(&self) -> &str {
+        match self {
+            ModelConfig::Llava(c) => &c.dtype,
+        }
+    }
+}

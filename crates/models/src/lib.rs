@@ -1,0 +1,1 @@
+//! Model code (being written).

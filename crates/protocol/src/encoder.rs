@@ -1,0 +1,42 @@
+//! The encoder service: turns items' raw bytes into embedding rows in the arena.
+
+use serde::{Deserialize, Serialize};
+
+use crate::Modality;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EncodeItem {
+    pub id: u64,
+    pub modality: Modality,
+    pub data_segment: String,
+    pub data_len: u64,
+    pub start_index: u64,
+    pub token_num: u32,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct EncoderStats {
+    /// Items run through the tower (cache hits never are).
+    pub items_encoded: u64,
+    pub batches: u64,
+    pub largest_batch: u64,
+}
+
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
+pub enum EncoderError {
+    /// The item's bytes are not a usable image or clip: the client's fault.
+    #[error("item {index}: {message}")]
+    BadItem { index: usize, message: String },
+    #[error("timed out after {0} ms")]
+    Timeout(u64),
+    #[error("encoder failure: {0}")]
+    Internal(String),
+}
+
+#[tarpc::service]
+pub trait Encoder {
+    /// Resolves once every item's embedding rows are in the arena and marked ready.
+    /// Items already ready, or being encoded for another request, are not encoded again.
+    async fn encode(items: Vec<EncodeItem>) -> Result<(), EncoderError>;
+    async fn stats() -> EncoderStats;
+}

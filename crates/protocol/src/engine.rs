@@ -1,0 +1,102 @@
+//! The engine service: generation requests in, token events out.
+
+use serde::{Deserialize, Serialize};
+
+/// A media item's place in the prompt: the virtual id range and its arena rows.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ItemSpan {
+    pub token_id: u64,
+    pub token_num: u32,
+    pub start_index: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SamplingParams {
+    pub max_tokens: u32,
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub skip_special_tokens: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: None,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            skip_special_tokens: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// Unique per engine; chosen by the api.
+    pub id: u64,
+    /// The api process whose `next_events` receives this request's events.
+    pub client: u64,
+    /// Text ids below the vocabulary size; virtual ids (≥ `VIRTUAL_TOKEN_BASE`) inside `items`.
+    pub prompt_ids: Vec<u64>,
+    pub items: Vec<ItemSpan>,
+    pub params: SamplingParams,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// EOS or a stop token.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Aborted by the api (client gone).
+    Abort,
+    /// The engine failed this request; the message says why.
+    Error(String),
+}
+
+/// One step's news for one request: a token and its text, and/or the end.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OutputEvent {
+    pub request_id: u64,
+    pub token_id: Option<u32>,
+    /// Newly complete text (never half a UTF-8 character); may be empty.
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineInfo {
+    pub vocab_size: u64,
+    pub max_model_len: u64,
+    pub running: u64,
+    pub waiting: u64,
+}
+
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
+pub enum EngineError {
+    #[error("the prompt has {prompt} tokens and asks for {max_tokens} more; the model's context is {limit}")]
+    TooLong { prompt: u64, max_tokens: u64, limit: u64 },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("request id {0} is already running")]
+    DuplicateId(u64),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+#[tarpc::service]
+pub trait Engine {
+    async fn info() -> EngineInfo;
+    async fn submit(request: GenerateRequest) -> Result<(), EngineError>;
+    /// Stops a request within one step and frees what it holds; its last event says `Abort`.
+    async fn abort(request_id: u64);
+    /// Long poll: the events queued for `client`, waiting up to `max_wait_ms` for the
+    /// first one (woken by a notification, not by polling).
+    async fn next_events(client: u64, max_wait_ms: u64) -> Vec<OutputEvent>;
+}

@@ -1,0 +1,62 @@
+//! The tiny LLaVA fixture's text side against transformers' reference.
+
+use mmserve_config::ModelDir;
+use mmserve_text::{ChatTemplate, IncrementalDecoder, TextTokenizer};
+use serde_json::{Value, json};
+
+fn fixture() -> (ModelDir, Value) {
+    let dir = ModelDir::open(concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/models/llava-tiny")).unwrap();
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(dir.path("reference.json")).unwrap()).unwrap();
+    (dir, reference)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn template_and_tokenizer_match_transformers() {
+    let (dir, reference) = fixture();
+    let tok = TextTokenizer::from_dir(&dir).unwrap();
+    let template = ChatTemplate::new(dir.chat_template().unwrap().unwrap(), &tok).unwrap();
+    let prompt = template.render(&reference["messages"], true).unwrap();
+    assert_eq!(prompt, reference["prompt"].as_str().unwrap());
+    assert_eq!(tok.encode_prompt(&prompt).unwrap(), ids(&reference["prompt_ids_before_expansion"]));
+
+    let text_only = json!([{"role": "user", "content": [{"type": "text", "text": "Hello, how are you?"}]}]);
+    let prompt = template.render(&text_only, true).unwrap();
+    assert_eq!(prompt, reference["text_only_prompt"].as_str().unwrap());
+    assert_eq!(tok.encode_prompt(&prompt).unwrap(), ids(&reference["text_only_input_ids"]));
+    assert_eq!(tok.eos_ids(), &[2]);
+}
+
+#[test]
+fn incremental_decoding_equals_full_decoding() {
+    let (dir, reference) = fixture();
+    let tok = TextTokenizer::from_dir(&dir).unwrap();
+    let generated = ids(&reference["generated_ids"]);
+    let mut dec = IncrementalDecoder::new(true);
+    let mut text: String = generated.iter().map(|&id| dec.push(&tok, id)).collect();
+    text.push_str(&dec.finish(&tok));
+    assert_eq!(text, reference["generated_text"].as_str().unwrap());
+}
+
+#[test]
+fn multibyte_characters_are_never_split() {
+    let (dir, _) = fixture();
+    let tok = TextTokenizer::from_dir(&dir).unwrap();
+    let s = "naïve 🙂 ok";
+    let encoded = tok.encode_prompt(s).unwrap();
+    // Byte-fallback pieces: the emoji is several tokens.
+    assert!(encoded.len() > s.split(' ').count() + 2, "{encoded:?}");
+    let mut dec = IncrementalDecoder::new(true);
+    let mut out = String::new();
+    for &id in &encoded {
+        let piece = dec.push(&tok, id);
+        assert!(!piece.contains('\u{FFFD}'), "emitted half a character: {piece:?}");
+        out.push_str(&piece);
+    }
+    out.push_str(&dec.finish(&tok));
+    assert_eq!(out, tok.decode(&encoded, true));
+    assert_eq!(out, s);
+}
