@@ -7,6 +7,7 @@
 pub mod cache;
 pub mod encoder;
 pub mod engine;
+pub mod ready;
 pub mod transport;
 
 pub use cache::{AllocItem, CacheError, CacheStats, EmbedCache, EmbedCacheClient, ItemKey, ItemRecord, Modality};

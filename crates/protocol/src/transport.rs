@@ -57,7 +57,8 @@ where
     wrap(stream)
 }
 
-/// Serves every connection of a bound listener with a tarpc server value, each request on
+/// Serves every connection of a bound listener with a tarpc `Serve` value (what the
+/// service trait's `.serve()` returns), each request on
 /// its own task, forever. A macro because each service's request futures are concrete
 /// types whose `Send`-ness a generic function cannot name.
 #[macro_export]
@@ -65,14 +66,13 @@ macro_rules! serve_unix {
     ($listener:expr, $server:expr) => {{
         use $crate::__private::{Channel as _, StreamExt as _};
         let listener: $crate::__private::UnixListener = $listener;
-        let server = $server;
+        let serve = $server;
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => {
                     let channel = $crate::__private::BaseChannel::with_defaults($crate::transport::server_transport(stream));
-                    let server = server.clone();
                     $crate::__private::spawn(
-                        channel.execute(server.serve()).for_each(|response| async move {
+                        channel.execute(serve.clone()).for_each(|response| async move {
                             $crate::__private::spawn(response);
                         }),
                     );

@@ -1,0 +1,270 @@
+//! PIL's `Image.resize(size, Image.BICUBIC)` on RGB8, reproduced bit for bit.
+//!
+//! Pillow (`libImaging/Resample.c`) resizes with two separable passes, horizontal
+//! first, through a uint8 intermediate. For each output pixel it takes the input
+//! window `center ± support` (support = 2 × the downscale factor, at least 2),
+//! evaluates the bicubic kernel (a = −0.5) at the scaled distances, normalises the
+//! weights to sum 1 in f64, quantises them to 22-bit fixed point (round half away
+//! from zero), accumulates in i32 from a rounding bias of 2^21, and shifts and clips
+//! to 0..=255. A pass is skipped when its dimension does not change.
+//!
+//! The weights of one output pixel depend only on its index, so any window of the
+//! output can be computed on its own, exactly: [`resize_bicubic_window`] does that,
+//! which keeps a centre crop of a very elongated image cheap.
+
+use std::ops::Range;
+
+use image::RgbImage;
+
+const PRECISION_BITS: u32 = 22;
+const SUPPORT: f64 = 2.0;
+
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// Fixed-point taps of one output pixel: weights for inputs `first..first + weights.len()`.
+struct Taps {
+    first: usize,
+    weights: Vec<i32>,
+}
+
+/// Pillow's `precompute_coeffs` + `normalize_coeffs_8bpc` for the outputs in `out`
+/// of an `in_size` → `out_size` resize along one axis.
+fn taps(in_size: u32, out_size: u32, out: Range<u32>) -> Vec<Taps> {
+    // Pillow passes the box as C floats: (float)in_size, then divides in double.
+    let scale = f64::from(in_size as f32) / f64::from(out_size);
+    let filterscale = scale.max(1.0);
+    let support = SUPPORT * filterscale;
+    let ss = 1.0 / filterscale;
+    let one = f64::from(1u32 << PRECISION_BITS);
+    out.map(|xx| {
+        let center = (f64::from(xx) + 0.5) * scale;
+        // C's (int) truncates toward zero.
+        let xmin = ((center - support + 0.5) as i64).max(0);
+        let xmax = ((center + support + 0.5) as i64).min(i64::from(in_size));
+        let raw: Vec<f64> = (xmin..xmax.max(xmin))
+            .map(|x| bicubic((x as f64 - center + 0.5) * ss))
+            .collect();
+        let ww: f64 = raw.iter().sum();
+        let weights = raw
+            .iter()
+            .map(|&w| {
+                let w = if ww != 0.0 { w / ww } else { w };
+                if w < 0.0 {
+                    (-0.5 + w * one) as i32
+                } else {
+                    (0.5 + w * one) as i32
+                }
+            })
+            .collect();
+        Taps {
+            first: xmin as usize,
+            weights,
+        }
+    })
+    .collect()
+}
+
+fn clip8(acc: i32) -> u8 {
+    (acc >> PRECISION_BITS).clamp(0, 255) as u8
+}
+
+/// Applies `taps` along one axis of an interleaved RGB buffer holding `lines` lines,
+/// where sample `i` of line `l` is pixel `i * stride + l * line_stride`. Returns, per
+/// line, one RGB value per tap set.
+fn convolve(
+    src: &[u8],
+    stride: usize,
+    line_stride: usize,
+    taps: &[Taps],
+    lines: usize,
+) -> Vec<Vec<[u8; 3]>> {
+    (0..lines)
+        .map(|line| {
+            taps.iter()
+                .map(|t| {
+                    let mut acc = [1i32 << (PRECISION_BITS - 1); 3];
+                    for (i, &k) in t.weights.iter().enumerate() {
+                        let p = ((t.first + i) * stride + line * line_stride) * 3;
+                        for (a, &v) in acc.iter_mut().zip(&src[p..p + 3]) {
+                            *a += i32::from(v) * k;
+                        }
+                    }
+                    acc.map(clip8)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// `img.resize((width, height), Image.BICUBIC)` as PIL computes it.
+pub fn resize_bicubic(img: &RgbImage, width: u32, height: u32) -> RgbImage {
+    resize_bicubic_window(img, width, height, 0..width, 0..height)
+}
+
+/// The window `cols × rows` of `img.resize((width, height), Image.BICUBIC)`, computed
+/// without the rest of the resized image. The result is `cols.len() × rows.len()`
+/// pixels, identical to cropping the full resize.
+///
+/// # Panics
+/// If the window is not inside `0..width × 0..height`.
+pub fn resize_bicubic_window(
+    img: &RgbImage,
+    width: u32,
+    height: u32,
+    cols: Range<u32>,
+    rows: Range<u32>,
+) -> RgbImage {
+    assert!(
+        cols.start <= cols.end && cols.end <= width && rows.start <= rows.end && rows.end <= height,
+        "window {cols:?}x{rows:?} outside {width}x{height}"
+    );
+    let (in_w, in_h) = (img.width(), img.height());
+    let (out_w, out_h) = (cols.len(), rows.len());
+    if out_w == 0 || out_h == 0 {
+        return RgbImage::new(out_w as u32, out_h as u32);
+    }
+    // Vertical taps, and the band of input rows they read.
+    let v_taps = if height == in_h {
+        rows.clone()
+            .map(|y| Taps {
+                first: y as usize,
+                weights: vec![1 << PRECISION_BITS],
+            })
+            .collect()
+    } else {
+        taps(in_h, height, rows)
+    };
+    let band_start = v_taps.iter().map(|t| t.first).min().unwrap_or(0);
+    let band_end = v_taps
+        .iter()
+        .map(|t| t.first + t.weights.len())
+        .max()
+        .unwrap_or(0);
+    let band_h = band_end.saturating_sub(band_start);
+    let band = &img.as_raw()[band_start * in_w as usize * 3..band_end * in_w as usize * 3];
+
+    // Horizontal pass over the band (uint8 intermediate, band_h × out_w).
+    let mid: Vec<u8> = if width == in_w {
+        (0..band_h)
+            .flat_map(|y| {
+                let row = y * in_w as usize * 3;
+                band[row + cols.start as usize * 3..row + cols.end as usize * 3]
+                    .iter()
+                    .copied()
+            })
+            .collect()
+    } else {
+        let h_taps = taps(in_w, width, cols);
+        convolve(band, 1, in_w as usize, &h_taps, band_h)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect()
+    };
+
+    // Vertical pass: each column of `mid` is a line.
+    let mut out = RgbImage::new(out_w as u32, out_h as u32);
+    if height == in_h {
+        out.copy_from_slice(&mid);
+        return out;
+    }
+    let v_taps: Vec<Taps> = v_taps
+        .into_iter()
+        .map(|t| Taps {
+            first: t.first - band_start,
+            ..t
+        })
+        .collect();
+    let columns = convolve(&mid, out_w, 1, &v_taps, out_w);
+    for (x, column) in columns.iter().enumerate() {
+        for (y, px) in column.iter().enumerate() {
+            out.put_pixel(x as u32, y as u32, image::Rgb(*px));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use image::Rgb;
+
+    use super::*;
+
+    fn pattern(w: u32, h: u32) -> RgbImage {
+        RgbImage::from_fn(w, h, |x, y| {
+            Rgb([
+                (x * 37 + y * 11) as u8,
+                (x * x + 3 * y) as u8,
+                ((x ^ y) * 29) as u8,
+            ])
+        })
+    }
+
+    #[test]
+    fn identity_size_is_a_copy() {
+        let img = pattern(13, 7);
+        assert_eq!(resize_bicubic(&img, 13, 7), img);
+    }
+
+    #[test]
+    fn constant_stays_constant() {
+        let img = RgbImage::from_pixel(17, 9, Rgb([0, 128, 255]));
+        for (w, h) in [(5, 3), (40, 31), (17, 30), (3, 9), (1, 1), (100, 2)] {
+            let out = resize_bicubic(&img, w, h);
+            assert_eq!(out.dimensions(), (w, h));
+            assert!(out.pixels().all(|p| p.0 == [0, 128, 255]), "{w}x{h}");
+        }
+    }
+
+    #[test]
+    fn halving_two_pixels_rounds_half_up() {
+        // Both taps weigh 1/2: (0 + 255) / 2 = 127.5 → 128 with Pillow's rounding bias.
+        let img = RgbImage::from_fn(2, 1, |x, _| Rgb([255 * x as u8, 0, 10]));
+        assert_eq!(resize_bicubic(&img, 1, 1).get_pixel(0, 0).0, [128, 0, 10]);
+    }
+
+    #[test]
+    fn upscale_overshoots_and_clips() {
+        // The negative lobes of a = -0.5 overshoot at a step edge; the result is clipped.
+        let img = RgbImage::from_fn(4, 1, |x, _| Rgb([if x < 2 { 0 } else { 255 }; 3]));
+        let out = resize_bicubic(&img, 16, 1);
+        let row: Vec<u8> = out.pixels().map(|p| p[0]).collect();
+        assert_eq!(row[..4], [0; 4]);
+        assert_eq!(row[12..], [255; 4]);
+        assert!(row.windows(2).all(|w| w[0] <= w[1]), "{row:?}");
+    }
+
+    #[test]
+    fn window_equals_crop_of_full_resize() {
+        let img = pattern(23, 11);
+        for (w, h) in [(23, 11), (7, 5), (50, 11), (23, 30), (61, 3)] {
+            let full = resize_bicubic(&img, w, h);
+            for (cols, rows) in [
+                (0..w, 0..h),
+                (1..w - 1, h / 2..h),
+                (w / 3..w / 3 + 1, 0..1),
+                (2..2, 0..h),
+            ] {
+                let win = resize_bicubic_window(&img, w, h, cols.clone(), rows.clone());
+                let crop = image::imageops::crop_imm(
+                    &full,
+                    cols.start,
+                    rows.start,
+                    cols.len() as u32,
+                    rows.len() as u32,
+                );
+                assert_eq!(win, crop.to_image(), "{w}x{h} {cols:?} {rows:?}");
+            }
+        }
+    }
+}

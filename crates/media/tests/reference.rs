@@ -1,0 +1,112 @@
+//! Against transformers' own outputs (fixtures made with transformers 5.24 / PIL 13).
+
+use std::path::{Path, PathBuf};
+
+use mmserve_media::{ClipImageProcessor, ImageLimits, RgbImage, decode_image, resize_bicubic};
+use safetensors::{Dtype, SafeTensors};
+
+fn path(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+fn read(rel: &str) -> Vec<u8> {
+    std::fs::read(path(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+fn tensor<'a>(st: &'a SafeTensors, name: &str, dtype: Dtype, shape: &[usize]) -> &'a [u8] {
+    let t = st.tensor(name).unwrap();
+    assert_eq!((t.dtype(), t.shape()), (dtype, shape), "{name}");
+    t.data()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+const LLAVA: &str = "../../assets/models/llava-tiny";
+
+#[test]
+fn llava_decode_matches_pil() {
+    let st_bytes = read(&format!("{LLAVA}/reference.safetensors"));
+    let st = SafeTensors::deserialize(&st_bytes).unwrap();
+    let img = decode_image(
+        &read(&format!("{LLAVA}/input.png")),
+        &ImageLimits::default(),
+    )
+    .unwrap();
+    assert_eq!(img.dimensions(), (80, 64));
+    assert!(img.as_raw() == tensor(&st, "image_rgb_u8", Dtype::U8, &[64, 80, 3]));
+}
+
+#[test]
+fn llava_pixel_values_match_transformers() {
+    let st_bytes = read(&format!("{LLAVA}/reference.safetensors"));
+    let st = SafeTensors::deserialize(&st_bytes).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&read(&format!("{LLAVA}/preprocessor_config.json"))).unwrap();
+    let proc = ClipImageProcessor::from_json(&cfg).unwrap();
+    assert_eq!(proc.output_size(), (56, 56));
+    let img = decode_image(
+        &read(&format!("{LLAVA}/input.png")),
+        &ImageLimits::default(),
+    )
+    .unwrap();
+    let ours = proc.preprocess(&img).unwrap();
+    let theirs = f32s(tensor(&st, "pixel_values", Dtype::F32, &[1, 3, 56, 56]));
+    let err = max_abs_diff(&ours, &theirs);
+    println!("llava pixel_values max abs error: {err:e}");
+    assert!(err <= 1e-6, "max abs error {err}");
+}
+
+/// Qwen2-VL resizes 100×80 up to 112×84 with the same PIL bicubic; its
+/// `pixel_values` rows are 2×2-merge-ordered patches of `[channel, temporal(2), 14, 14]`.
+#[test]
+fn qwen2_vl_upscale_matches_transformers() {
+    let st_bytes = read("tests/data/qwen2_vl_reference_subset.safetensors");
+    let st = SafeTensors::deserialize(&st_bytes).unwrap();
+    let img = decode_image(
+        &read("tests/data/qwen2_vl_input.png"),
+        &ImageLimits::default(),
+    )
+    .unwrap();
+    assert!(img.as_raw() == tensor(&st, "image_rgb_u8", Dtype::U8, &[80, 100, 3]));
+    let thw = tensor(&st, "image_grid_thw", Dtype::I64, &[1, 3]);
+    let thw: Vec<i64> = thw
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(thw, [1, 6, 8]);
+
+    let resized: RgbImage = resize_bicubic(&img, 112, 84);
+    let (mean, std) = (
+        [0.48145466f64, 0.4578275, 0.40821073].map(|x| x as f32),
+        [0.26862954f64, 0.26130258, 0.27577711].map(|x| x as f32),
+    );
+    let (patch, merge, grid_w) = (14, 2, 8);
+    let theirs = f32s(tensor(&st, "pixel_values_first24", Dtype::F32, &[24, 1176]));
+    let mut ours = vec![0f32; theirs.len()];
+    for (row, out) in ours.chunks_exact_mut(1176).enumerate() {
+        let (block, mh, mw) = (row / 4, row / 2 % 2, row % 2);
+        let (bh, bw) = (block / (grid_w / merge), block % (grid_w / merge));
+        let (py0, px0) = ((bh * merge + mh) * patch, (bw * merge + mw) * patch);
+        for (i, v) in out.iter_mut().enumerate() {
+            let (c, _t, y, x) = (i / 392, i / 196 % 2, i / 14 % 14, i % 14);
+            let level = resized.get_pixel((px0 + x) as u32, (py0 + y) as u32)[c];
+            *v = ((f64::from(level) * (1.0 / 255.0)) as f32 - mean[c]) / std[c];
+        }
+    }
+    let err = max_abs_diff(&ours, &theirs);
+    println!("qwen2_vl first 24 patch rows max abs error: {err:e}");
+    assert!(err <= 1e-6, "max abs error {err}");
+}
