@@ -24,8 +24,6 @@ pub struct LlamaConfig {
     pub attention_bias: bool,
     pub mlp_bias: bool,
     pub tie_word_embeddings: bool,
-    pub bos_token_id: Option<usize>,
-    pub eos_token_id: Option<usize>,
 }
 
 impl LlamaConfig {
@@ -34,13 +32,13 @@ impl LlamaConfig {
         let f = Fields::new(v, "text_config");
         let hidden_size = f.usize_or("hidden_size", 4096)?;
         let num_attention_heads = f.usize_or("num_attention_heads", 32)?;
-        if num_attention_heads == 0 || hidden_size % num_attention_heads != 0 {
+        if num_attention_heads == 0 || !hidden_size.is_multiple_of(num_attention_heads) {
             return Err(format!(
                 "text_config.hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}"
             ));
         }
         let num_key_value_heads = f.usize_or("num_key_value_heads", num_attention_heads)?;
-        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+        if num_key_value_heads == 0 || !num_attention_heads.is_multiple_of(num_key_value_heads) {
             return Err(format!(
                 "text_config.num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"
             ));
@@ -74,8 +72,6 @@ impl LlamaConfig {
             attention_bias: f.bool_or("attention_bias", false)?,
             mlp_bias: f.bool_or("mlp_bias", false)?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", tie_default)?,
-            bos_token_id: f.opt_usize("bos_token_id")?,
-            eos_token_id: f.opt_usize("eos_token_id")?,
         })
     }
 }
@@ -108,13 +104,13 @@ impl ClipVisionConfig {
             layer_norm_eps: f.f64_or("layer_norm_eps", 1e-5)?,
             hidden_act: f.str_or("hidden_act", "quick_gelu")?,
         };
-        if c.patch_size == 0 || c.image_size % c.patch_size != 0 {
+        if c.patch_size == 0 || !c.image_size.is_multiple_of(c.patch_size) {
             return Err(format!(
                 "vision_config.image_size {} is not a multiple of patch_size {}",
                 c.image_size, c.patch_size
             ));
         }
-        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+        if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return Err("vision_config.hidden_size is not a multiple of num_attention_heads".into());
         }
         Ok(c)
@@ -187,16 +183,17 @@ impl LlavaConfig {
             "full" => FeatureSelect::Full,
             other => return Err(format!("config.vision_feature_select_strategy {other:?} is not default or full")),
         };
-        let dtype = match f.get("dtype").or_else(|| f.get("torch_dtype")) {
-            Some(v) => v.as_str().unwrap_or("float32").to_string(),
-            None => text_json
-                .get("dtype")
-                .or_else(|| text_json.get("torch_dtype"))
-                .and_then(Value::as_str)
-                .unwrap_or("float32")
-                .to_string(),
+        let dtype_field = f.get("dtype").or_else(|| f.get("torch_dtype"));
+        let dtype = match dtype_field.or_else(|| text_json.get("dtype")).or_else(|| text_json.get("torch_dtype")) {
+            None => "float32".to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => return Err(format!("config.dtype must be a string, got {other}")),
         };
-        let image_token_index = f.usize_or("image_token_index", 32000)?;
+        // Hub configs say `image_token_index`; some newer ones `image_token_id`.
+        let image_token_index = match f.get("image_token_index") {
+            Some(_) => f.usize_or("image_token_index", 32000)?,
+            None => f.usize_or("image_token_id", 32000)?,
+        };
         Ok(LlavaConfig {
             text,
             vision,

@@ -1,1 +1,21 @@
-//! Model code (being written).
+//! Model code of mmserve on candle: LLaVA-1.5 (`LlavaForConditionalGeneration`), that is
+//! a CLIP vision tower and projector ([`LlavaVision`]) feeding a Llama language model
+//! ([`Llama`]) that runs batched forward steps over variable-length sequences, each
+//! with its own [`KvCache`].
+//!
+//! Weights come from a Hugging Face model directory ([`mmserve_config::ModelDir`]) in
+//! either the Hub's or transformers v5's tensor naming ([`Weights`]).
+
+mod activation;
+mod clip;
+mod error;
+mod llama;
+mod llava;
+mod weights;
+
+pub use activation::Activation;
+pub use clip::ClipVisionTower;
+pub use error::ModelError;
+pub use llama::{KvCache, Llama, SeqInput};
+pub use llava::{LlavaVision, merge_image_embeddings};
+pub use weights::{Naming, Weights, parse_dtype};

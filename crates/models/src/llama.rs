@@ -1,0 +1,401 @@
+//! The Llama decoder (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
+//! Language Models"), as transformers' `LlamaForCausalLM` runs it, arranged for a
+//! server that batches variable-length sequences: every linear layer and norm runs on
+//! the new tokens of all sequences at once (rows concatenated along dim 0), attention
+//! runs per sequence against that sequence's own [`KvCache`].
+//!
+//! Reads `LlamaConfig` (`text_config`): `vocab_size`, `hidden_size`,
+//! `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
+//! `num_key_value_heads` (GQA), `head_dim`, `rms_norm_eps`, `rope_theta`, `rope_type`
+//! (only `default`), `hidden_act`, `attention_bias`, `mlp_bias`. The LM head falls back
+//! to the embedding matrix (tied embeddings) when the checkpoint has no `lm_head.weight`.
+//!
+//! RoPE is the "rotate_half" (GPT-NeoX) form, with the angles computed in f32 as
+//! transformers computes them.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Linear, RmsNorm};
+use mmserve_config::{LlamaConfig, ModelDir};
+
+use crate::ModelError;
+use crate::activation::Activation;
+use crate::llava::llava_config;
+use crate::weights::{Scope, Weights};
+
+/// One sequence's keys and values: per layer [kv_heads, len, head_dim].
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Tokens cached (the position the next token takes).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keys and values of `layer` after appending `k`, `v` [kv_heads, n, head_dim].
+    /// `len` moves only when the whole forward step succeeded.
+    fn append(
+        &mut self,
+        layer: usize,
+        k: Tensor,
+        v: Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let kv = match &self.layers[layer] {
+            None => (k, v),
+            Some((k0, v0)) => (Tensor::cat(&[k0, &k], 1)?, Tensor::cat(&[v0, &v], 1)?),
+        };
+        self.layers[layer] = Some(kv.clone());
+        Ok(kv)
+    }
+
+    /// Drops whatever a failed step appended past `len`.
+    fn rollback(&mut self) {
+        let len = self.len;
+        for entry in &mut self.layers {
+            *entry = match entry.take() {
+                Some((k, v)) if len > 0 => k.narrow(1, 0, len).ok().zip(v.narrow(1, 0, len).ok()),
+                _ => None,
+            };
+        }
+    }
+}
+
+/// One sequence of a batched forward step.
+pub struct SeqInput<'a> {
+    /// Rows of the step's `input_embeds` that belong to this sequence (in order).
+    pub new_tokens: usize,
+    /// The sequence's cache; the new tokens take positions `cache.len()..`.
+    pub cache: &'a mut KvCache,
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(s: &Scope, cfg: &LlamaConfig) -> Result<Self, ModelError> {
+        let (h, d, bias) = (cfg.hidden_size, cfg.head_dim, cfg.attention_bias);
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        Ok(Attention {
+            q_proj: s.linear("q_proj", h, nh * d, bias)?,
+            k_proj: s.linear("k_proj", h, nkv * d, bias)?,
+            v_proj: s.linear("v_proj", h, nkv * d, bias)?,
+            o_proj: s.linear("o_proj", nh * d, h, bias)?,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+        })
+    }
+
+    /// `x` [T, hidden] holds the new rows of all `seqs`; `cos`/`sin` [T, head_dim / 2].
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        seqs: &mut [SeqInput<'_>],
+        layer: usize,
+    ) -> candle_core::Result<Tensor> {
+        let t = x.dim(0)?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let groups = nh / nkv;
+        let q = self.q_proj.forward(x)?.reshape((1, t, nh, hd))?;
+        let k = self.k_proj.forward(x)?.reshape((1, t, nkv, hd))?;
+        let v = self.v_proj.forward(x)?.reshape((t, nkv, hd))?;
+        let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
+        let scale = (hd as f64).powf(-0.5);
+
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut offset = 0;
+        for seq in seqs.iter_mut() {
+            let (n, past) = (seq.new_tokens, seq.cache.len);
+            let rows = |x: &Tensor| x.narrow(0, offset, n)?.transpose(0, 1)?.contiguous();
+            let (k, v) = seq.cache.append(layer, rows(&k)?, rows(&v)?)?;
+            let total = past + n;
+            // Query heads g*groups..(g+1)*groups share kv head g: fold them into rows.
+            let q = rows(&q)?.reshape((nkv, groups * n, hd))?;
+            let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+            let scores = if n > 1 {
+                let mask = causal_mask(n, past, x.device())?;
+                scores
+                    .reshape((nkv, groups, n, total))?
+                    .broadcast_add(&mask)?
+                    .reshape((nkv, groups * n, total))?
+            } else {
+                scores
+            };
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+            let out = probs.matmul(&v)?.reshape((nh, n, hd))?.transpose(0, 1)?;
+            outs.push(out.reshape((n, nh * hd))?);
+            offset += n;
+        }
+        self.o_proj.forward(&Tensor::cat(&outs, 0)?)
+    }
+}
+
+/// [n, past + n]: 0 where query i (position past + i) may see key j, -inf elsewhere.
+fn causal_mask(n: usize, past: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let total = past + n;
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j <= past + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(mask, (n, total), device)
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    act: Activation,
+}
+
+impl Mlp {
+    fn load(s: &Scope, cfg: &LlamaConfig) -> Result<Self, ModelError> {
+        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Mlp {
+            gate_proj: s.linear("gate_proj", h, i, bias)?,
+            up_proj: s.linear("up_proj", h, i, bias)?,
+            down_proj: s.linear("down_proj", i, h, bias)?,
+            act: Activation::from_name(&cfg.hidden_act)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let gate = self.act.apply(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// `LlamaForCausalLM`.
+pub struct Llama {
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    /// [1, head_dim / 2] f32.
+    inv_freq: Tensor,
+    cfg: LlamaConfig,
+}
+
+impl Llama {
+    pub fn load(dir: &ModelDir, device: &Device, dtype: DType) -> Result<Self, ModelError> {
+        let weights = Weights::open(&dir.weight_files()?, device, dtype)?;
+        Self::from_weights(&weights, &llava_config(dir)?.text)
+    }
+
+    pub fn from_weights(weights: &Weights, cfg: &LlamaConfig) -> Result<Self, ModelError> {
+        if cfg.rope_type != "default" {
+            return Err(ModelError::Unsupported(format!(
+                "rope_type {:?}",
+                cfg.rope_type
+            )));
+        }
+        if !cfg.head_dim.is_multiple_of(2) {
+            return Err(ModelError::Unsupported(format!(
+                "odd head_dim {}",
+                cfg.head_dim
+            )));
+        }
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let lm = weights.language_model();
+        let embed_tokens = lm.tensor("embed_tokens.weight", (cfg.vocab_size, h))?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let s = lm.pp("layers").pp(i);
+                Ok(DecoderLayer {
+                    input_layernorm: s.rms_norm("input_layernorm", h, eps)?,
+                    self_attn: Attention::load(&s.pp("self_attn"), cfg)?,
+                    post_attention_layernorm: s.rms_norm("post_attention_layernorm", h, eps)?,
+                    mlp: Mlp::load(&s.pp("mlp"), cfg)?,
+                })
+            })
+            .collect::<Result<_, ModelError>>()?;
+        let head = weights.lm_head();
+        let lm_head = if head.contains("weight") {
+            Linear::new(head.tensor("weight", (cfg.vocab_size, h))?, None)
+        } else {
+            Linear::new(embed_tokens.clone(), None)
+        };
+        let half = cfg.head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
+            .collect();
+        Ok(Llama {
+            inv_freq: Tensor::from_vec(inv_freq, (1, half), weights.device())?,
+            embed_tokens,
+            layers,
+            norm: lm.rms_norm("norm", h, eps)?,
+            lm_head,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    /// An empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: vec![None; self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Embedding rows for text token ids (ids < vocab_size): [n, hidden].
+    pub fn embed_tokens(&self, ids: &[u32]) -> Result<Tensor, ModelError> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                self.cfg.vocab_size
+            )));
+        }
+        let ids = Tensor::new(ids, self.device())?;
+        Ok(self.embed_tokens.index_select(&ids, 0)?)
+    }
+
+    /// One forward step over a batch of sequences whose new tokens are concatenated
+    /// along dim 0 of `input_embeds` [total_new_tokens, hidden]. `seqs[i]` says how many
+    /// of those rows belong to sequence i (in order) and carries its KV cache, which
+    /// already holds `cache.len()` earlier tokens (positions 0..len; the new ones
+    /// continue from there). Appends the new keys and values to each cache (on error,
+    /// the caches are left as they were). Attention is causal within a sequence and
+    /// never crosses sequences.
+    ///
+    /// Returns f32 logits [total_new_tokens, vocab] if `all_logits`, else only each
+    /// sequence's last row: [seqs.len(), vocab].
+    pub fn forward(
+        &self,
+        input_embeds: &Tensor,
+        seqs: &mut [SeqInput<'_>],
+        all_logits: bool,
+    ) -> Result<Tensor, ModelError> {
+        let hidden = self.forward_hidden(input_embeds, seqs, all_logits)?;
+        Ok(self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`forward`](Self::forward) without the LM head: the hidden states after the final
+    /// norm, in the model dtype ([total_new_tokens, hidden] if `all_rows`, else
+    /// [seqs.len(), hidden]).
+    pub fn forward_hidden(
+        &self,
+        input_embeds: &Tensor,
+        seqs: &mut [SeqInput<'_>],
+        all_rows: bool,
+    ) -> Result<Tensor, ModelError> {
+        let (total, hidden) = input_embeds.dims2()?;
+        if hidden != self.cfg.hidden_size {
+            return Err(ModelError::InvalidInput(format!(
+                "input_embeds has width {hidden}, the model {}",
+                self.cfg.hidden_size
+            )));
+        }
+        if seqs.is_empty() || seqs.iter().any(|s| s.new_tokens == 0) {
+            return Err(ModelError::InvalidInput(
+                "every sequence needs a new token".into(),
+            ));
+        }
+        if seqs.iter().map(|s| s.new_tokens).sum::<usize>() != total {
+            return Err(ModelError::InvalidInput(format!(
+                "new_tokens of the sequences do not add up to the {total} input rows"
+            )));
+        }
+        if seqs
+            .iter()
+            .any(|s| s.cache.layers.len() != self.layers.len())
+        {
+            return Err(ModelError::InvalidInput(
+                "KV cache made for another model".into(),
+            ));
+        }
+        match self.run(input_embeds, seqs, all_rows) {
+            Ok(hidden) => {
+                for s in seqs.iter_mut() {
+                    s.cache.len += s.new_tokens;
+                }
+                Ok(hidden)
+            }
+            Err(e) => {
+                for s in seqs.iter_mut() {
+                    s.cache.rollback();
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    fn run(
+        &self,
+        input_embeds: &Tensor,
+        seqs: &mut [SeqInput<'_>],
+        all_rows: bool,
+    ) -> candle_core::Result<Tensor> {
+        let positions: Vec<f32> = seqs
+            .iter()
+            .flat_map(|s| (s.cache.len..s.cache.len + s.new_tokens).map(|p| p as f32))
+            .collect();
+        let positions = Tensor::from_vec(positions, (input_embeds.dim(0)?, 1), self.device())?;
+        let angles = positions.broadcast_mul(&self.inv_freq)?;
+        let (cos, sin) = (
+            angles.cos()?.to_dtype(self.dtype())?,
+            angles.sin()?.to_dtype(self.dtype())?,
+        );
+
+        let mut x = input_embeds.to_dtype(self.dtype())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_layernorm.forward(&x)?;
+            let x1 = (x + layer.self_attn.forward(&h, &cos, &sin, seqs, i)?)?;
+            let h = layer.post_attention_layernorm.forward(&x1)?;
+            x = (&x1 + layer.mlp.forward(&h)?)?;
+        }
+        if !all_rows {
+            let mut end = 0u32;
+            let last: Vec<u32> = seqs
+                .iter()
+                .map(|s| {
+                    end += s.new_tokens as u32;
+                    end - 1
+                })
+                .collect();
+            x = x.index_select(&Tensor::new(last, self.device())?, 0)?;
+        }
+        self.norm.forward(&x)
+    }
+}

@@ -1,0 +1,81 @@
+//! The encoder service (its own process).
+//!
+//! `encode` calls from any number of requests feed one queue; a worker thread takes
+//! everything queued (up to `--max-batch` items), so items of concurrent requests share
+//! one tower forward. Rows go straight into the arena slots the cache assigned; then the
+//! items are marked ready. Items already ready, or in flight for another request, are
+//! never encoded twice.
+
+mod service;
+mod worker;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use mmserve_protocol::EmbedCacheClient;
+
+pub use service::EncoderService;
+
+/// Flags of `mmserve encoder`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EncoderArgs {
+    /// Unix socket to serve on.
+    #[arg(long, env = "MMSERVE_ENCODER_SOCKET")]
+    pub socket: PathBuf,
+    /// The embed-cache service's socket.
+    #[arg(long, env = "MMSERVE_CACHE_SOCKET")]
+    pub cache_socket: PathBuf,
+    /// Hugging Face model directory.
+    #[arg(long, env = "MMSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Most items in one tower forward.
+    #[arg(long, env = "MMSERVE_ENCODER_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// How long an item may wait for its raw data or its encoding, in milliseconds.
+    #[arg(long, env = "MMSERVE_ENCODER_TIMEOUT_MS", default_value_t = 120_000)]
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EncoderServiceError {
+    #[error(transparent)]
+    Config(#[from] mmserve_config::ConfigError),
+    #[error(transparent)]
+    Model(#[from] mmserve_models::ModelError),
+    #[error(transparent)]
+    Media(#[from] mmserve_media::MediaError),
+    #[error("model directory has no preprocessor_config.json")]
+    NoPreprocessor,
+    #[error("preprocessing makes {got}×{got} images but the vision tower takes {want}×{want}")]
+    SizeMismatch { got: usize, want: usize },
+    #[error("connecting to the embed cache: {0}")]
+    Cache(String),
+    #[error(transparent)]
+    Shm(#[from] mmserve_shm::ShmError),
+    #[error("binding {path}: {source}")]
+    Bind { path: PathBuf, source: std::io::Error },
+}
+
+/// How long connecting to a sibling service may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub async fn connect_cache(path: &std::path::Path) -> Result<EmbedCacheClient, String> {
+    let transport = mmserve_protocol::transport::connect(path, CONNECT_TIMEOUT).await.map_err(|e| e.to_string())?;
+    Ok(EmbedCacheClient::new(Default::default(), transport).spawn())
+}
+
+/// Loads the model, connects to the cache, serves until `shutdown` resolves.
+pub async fn run(args: EncoderArgs, shutdown: impl Future<Output = ()>) -> Result<(), EncoderServiceError> {
+    let cache = connect_cache(&args.cache_socket).await.map_err(EncoderServiceError::Cache)?;
+    let service = EncoderService::start(&args, cache).await?;
+    let listener = mmserve_protocol::transport::bind(&args.socket)
+        .map_err(|source| EncoderServiceError::Bind { path: args.socket.clone(), source })?;
+    mmserve_protocol::ready::announce("encoder");
+    let server = mmserve_protocol::Encoder::serve(service);
+    tokio::select! {
+        _ = async move { mmserve_protocol::serve_unix!(listener, server) } => {}
+        _ = shutdown => {}
+    }
+    let _ = std::fs::remove_file(&args.socket);
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! The tarpc face of the encoder: dedup against the cache and against items in flight,
+//! then wait (with a timeout) for the worker to finish this request's items.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mmserve_protocol::{EmbedCacheClient, EncodeItem, Encoder, EncoderError, EncoderStats, deadline};
+use tarpc::context::Context;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::worker::{Job, Worker};
+use crate::{EncoderArgs, EncoderServiceError};
+
+/// Why an item could not be encoded.
+#[derive(Debug, Clone)]
+pub(crate) enum ItemFailure {
+    /// The bytes are not a usable image: the client's fault.
+    Bad(String),
+    Internal(String),
+}
+
+/// Result of one item, shared with every request waiting on it.
+pub(crate) type ItemResult = Result<(), ItemFailure>;
+
+pub(crate) struct Shared {
+    /// Items queued or being encoded → the requests waiting for them.
+    pub(crate) inflight: Mutex<HashMap<u64, Vec<oneshot::Sender<ItemResult>>>>,
+    pub(crate) stats: Mutex<EncoderStats>,
+}
+
+impl Shared {
+    /// Completes an item for every waiter.
+    pub(crate) fn finish(&self, id: u64, result: ItemResult) {
+        let waiters = self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        for w in waiters.into_iter().flatten() {
+            let _ = w.send(result.clone());
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct EncoderService {
+    shared: Arc<Shared>,
+    queue: mpsc::Sender<Job>,
+    cache: EmbedCacheClient,
+    timeout: Duration,
+}
+
+impl EncoderService {
+    pub async fn start(args: &EncoderArgs, cache: EmbedCacheClient) -> Result<Self, EncoderServiceError> {
+        let shared = Arc::new(Shared { inflight: Mutex::new(HashMap::new()), stats: Mutex::new(EncoderStats::default()) });
+        let timeout = Duration::from_millis(args.timeout_ms);
+        let worker = Worker::load(args, cache.clone(), shared.clone()).await?;
+        // Bounded: when the tower falls behind, `encode` calls wait here rather than
+        // piling up without limit.
+        let (queue, rx) = mpsc::channel(args.max_batch.max(1) * 8);
+        let handle = tokio::runtime::Handle::current();
+        std::thread::Builder::new()
+            .name("encoder-worker".into())
+            .spawn(move || worker.run(rx, handle))
+            .expect("spawning the encoder worker thread");
+        Ok(EncoderService { shared, queue, cache, timeout })
+    }
+}
+
+impl Encoder for EncoderService {
+    async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
+        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
+        let ready = self
+            .cache
+            .get_items_embed(deadline(self.timeout), ids)
+            .await
+            .map_err(|e| EncoderError::Internal(format!("embed cache: {e}")))?
+            .map_err(|e| EncoderError::Internal(e.to_string()))?;
+        let mut waits = Vec::new();
+        for (index, (item, ready)) in items.into_iter().zip(ready).enumerate() {
+            if ready {
+                continue;
+            }
+            let (tx, rx) = oneshot::channel();
+            let first = {
+                let mut inflight = self.shared.inflight.lock().unwrap_or_else(|p| p.into_inner());
+                let waiters = inflight.entry(item.id).or_default();
+                waiters.push(tx);
+                waiters.len() == 1
+            };
+            if first {
+                let id = item.id;
+                if self.queue.send(Job { item }).await.is_err() {
+                    self.shared.finish(id, Err(ItemFailure::Internal("the encoder worker stopped".into())));
+                }
+            }
+            waits.push((index, rx));
+        }
+        let timeout_ms = self.timeout.as_millis() as u64;
+        tokio::time::timeout(self.timeout, async {
+            for (index, rx) in waits {
+                match rx.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(ItemFailure::Bad(message))) => return Err(EncoderError::BadItem { index, message }),
+                    Ok(Err(ItemFailure::Internal(message))) => return Err(EncoderError::Internal(message)),
+                    Err(_) => return Err(EncoderError::Internal("the encoder worker dropped an item".into())),
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|_| EncoderError::Timeout(timeout_ms))?
+    }
+
+    async fn stats(self, _: Context) -> EncoderStats {
+        self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
