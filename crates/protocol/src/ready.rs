@@ -8,9 +8,20 @@ pub const READY_LINE: &str = "mmserve-ready ";
 
 /// Prints the readiness line and flushes it.
 pub fn announce(service: &str) {
+    announce_with(service, "");
+}
+
+/// Prints the readiness line with a detail after the name (the api's URL).
+pub fn announce_with(service: &str, detail: &str) {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{READY_LINE}{service}");
+    let _ = writeln!(out, "{READY_LINE}{service} {detail}");
     let _ = out.flush();
+}
+
+/// Parses a readiness line into (service, detail).
+pub fn parse(line: &str) -> Option<(&str, &str)> {
+    let rest = line.strip_prefix(READY_LINE)?;
+    Some(rest.split_once(' ').unwrap_or((rest, "")))
 }
 
 /// Resolves on SIGINT or SIGTERM.

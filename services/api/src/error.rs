@@ -1,0 +1,108 @@
+//! The one place where errors become HTTP responses, in OpenAI's shape:
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use mmserve_protocol::{CacheError, EncoderError, EngineError, RpcFailure};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The client sent something we cannot serve.
+    #[error("{message}")]
+    BadRequest { message: String, param: Option<String> },
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>) -> Self {
+        ApiError::BadRequest { message: message.into(), param: None }
+    }
+
+    pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
+        ApiError::BadRequest { message: message.into(), param: Some(param.to_string()) }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The error object, also sent as an SSE frame when a stream fails.
+    pub fn body(&self) -> serde_json::Value {
+        let (kind, code) = match self {
+            ApiError::BadRequest { .. } => ("invalid_request_error", None),
+            ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large")),
+            ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            ApiError::Unavailable(_) => ("service_unavailable", None),
+            ApiError::Internal(_) => ("internal_error", None),
+        };
+        let param = match self {
+            ApiError::BadRequest { param, .. } => param.clone(),
+            _ => None,
+        };
+        serde_json::json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status().is_server_error() {
+            tracing::warn!("{self}");
+        }
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}
+
+impl From<RpcFailure> for ApiError {
+    fn from(e: RpcFailure) -> Self {
+        ApiError::Unavailable(e.to_string())
+    }
+}
+
+impl From<CacheError> for ApiError {
+    fn from(e: CacheError) -> Self {
+        match e {
+            CacheError::TooLarge { .. } => ApiError::bad(e.to_string()),
+            CacheError::Full { .. } | CacheError::Timeout(_) => ApiError::Unavailable(e.to_string()),
+            _ => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<EncoderError> for ApiError {
+    fn from(e: EncoderError) -> Self {
+        match e {
+            EncoderError::BadItem { .. } => ApiError::bad(e.to_string()),
+            EncoderError::Timeout(_) => ApiError::Unavailable(e.to_string()),
+            EncoderError::Internal(_) => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::TooLong { .. } | EngineError::Invalid(_) => ApiError::bad(e.to_string()),
+            EngineError::ShuttingDown => ApiError::Unavailable(e.to_string()),
+            EngineError::DuplicateId(_) => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<mmserve_media::MediaError> for ApiError {
+    fn from(e: mmserve_media::MediaError) -> Self {
+        ApiError::bad(e.to_string())
+    }
+}

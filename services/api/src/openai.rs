@@ -1,0 +1,162 @@
+//! OpenAI chat-completion JSON: what clients send and what they get back. Only this
+//! crate knows these shapes.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub stop: Option<Value>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    // Extensions (vLLM's names).
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
+    /// Adds `token_ids` to each choice (and `prompt_token_ids` to the response).
+    #[serde(default)]
+    pub return_token_ids: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+/// A content part after validation.
+#[derive(Debug)]
+pub enum Part {
+    Text(String),
+    ImageUrl(String),
+}
+
+/// Parses one content part; anything but `text` and `image_url` is refused by name.
+pub fn parse_part(v: &Value, at: &str) -> Result<Part, String> {
+    let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| format!("{at}: a content part needs a string `type`"))?;
+    match kind {
+        "text" => v
+            .get("text")
+            .and_then(Value::as_str)
+            .map(|t| Part::Text(t.to_string()))
+            .ok_or_else(|| format!("{at}: a text part needs a string `text`")),
+        "image_url" => {
+            let url = match v.get("image_url") {
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(obj) => obj.get("url").and_then(Value::as_str),
+                None => None,
+            };
+            url.map(|u| Part::ImageUrl(u.to_string()))
+                .ok_or_else(|| format!("{at}: an image_url part needs `image_url.url`"))
+        }
+        "input_audio" | "audio_url" => Err(format!("{at}: this model accepts text and images, not audio")),
+        other => Err(format!("{at}: unsupported content part type {other:?} (supported: text, image_url)")),
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+    pub prompt_tokens_details: PromptDetails,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PromptDetails {
+    pub image_tokens: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<Choice>,
+    pub usage: Usage,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u64>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Choice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Option<()>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChunkChoice {
+    pub index: u32,
+    pub delta: Delta,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Option<()>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}

@@ -1,0 +1,90 @@
+//! From OpenAI messages to prompt ids: messages in transformers' form, the chat
+//! template, the tokenizer, and each image placeholder expanded to its item's virtual
+//! token-id range.
+
+use mmserve_text::{ChatTemplate, TextTokenizer};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::openai::{Content, Message, Part, parse_part};
+
+/// Messages as the template sees them, and the image URLs in order of appearance.
+pub struct ParsedMessages {
+    pub template_messages: Value,
+    pub image_urls: Vec<String>,
+}
+
+pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_param("messages", "`messages` must not be empty"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    let mut image_urls = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+            return Err(ApiError::bad_param("messages", format!("messages[{i}]: unsupported role {:?}", m.role)));
+        }
+        // Templates written for multimodal models iterate over parts, so text becomes
+        // a list of one text part.
+        let parts: Vec<Value> = match &m.content {
+            None => Vec::new(),
+            Some(Content::Text(t)) => vec![json!({"type": "text", "text": t})],
+            Some(Content::Parts(parts)) => {
+                let mut v = Vec::with_capacity(parts.len());
+                for (j, p) in parts.iter().enumerate() {
+                    match parse_part(p, &format!("messages[{i}].content[{j}]")).map_err(|e| ApiError::bad_param("messages", e))? {
+                        Part::Text(t) => v.push(json!({"type": "text", "text": t})),
+                        Part::ImageUrl(url) => {
+                            image_urls.push(url);
+                            v.push(json!({"type": "image"}));
+                        }
+                    }
+                }
+                v
+            }
+        };
+        out.push(json!({"role": m.role, "content": parts}));
+    }
+    Ok(ParsedMessages { template_messages: Value::Array(out), image_urls })
+}
+
+/// Renders and tokenizes; returns the ids with placeholders still in place.
+pub fn tokenize(template: &ChatTemplate, tokenizer: &TextTokenizer, messages: &Value) -> Result<Vec<u32>, ApiError> {
+    let text = template.render(messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
+    tokenizer.encode_prompt(&text).map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+/// Replaces the n-th placeholder with the n-th range.
+pub fn expand(ids: &[u32], placeholder: u32, ranges: &[(u64, u32)]) -> Result<Vec<u64>, ApiError> {
+    let found = ids.iter().filter(|&&t| t == placeholder).count();
+    if found != ranges.len() {
+        return Err(ApiError::bad(format!(
+            "the prompt has {found} image placeholders for {} images (do not write the model's image tag in text)",
+            ranges.len()
+        )));
+    }
+    let extra: usize = ranges.iter().map(|r| r.1 as usize).sum();
+    let mut out = Vec::with_capacity(ids.len() + extra);
+    let mut next = ranges.iter();
+    for &t in ids {
+        if t == placeholder {
+            let &(start, n) = next.next().expect("counted above");
+            out.extend(start..start + u64::from(n));
+        } else {
+            out.push(u64::from(t));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expansion() {
+        let ids = [1, 9, 5, 9];
+        assert_eq!(expand(&ids, 9, &[(100, 2), (200, 1)]).unwrap(), vec![1, 100, 101, 5, 200]);
+        assert!(expand(&ids, 9, &[(100, 2)]).is_err());
+    }
+}

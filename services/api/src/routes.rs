@@ -1,0 +1,313 @@
+//! HTTP routes: chat completions (streamed or not), health, models, metrics.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use mmserve_protocol::{FinishReason, OutputEvent, deadline};
+
+use crate::error::ApiError;
+use crate::generate::{Started, start};
+use crate::openai::*;
+use crate::state::{AppState, Metrics};
+
+pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn finish_name(r: &FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+        FinishReason::Error(_) => "error",
+    }
+}
+
+async fn chat(State(state): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    Metrics::add(&state.metrics.requests, 1);
+    let result = chat_inner(&state, body).await;
+    result.unwrap_or_else(|e| {
+        Metrics::add(&state.metrics.failed, 1);
+        e.into_response()
+    })
+}
+
+async fn chat_inner(state: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge(format!("the request body is larger than the limit: {}", r.body_text()))
+        } else {
+            ApiError::bad(r.body_text())
+        }
+    })?;
+    let req: ChatRequest =
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid chat completion request: {e}")))?;
+    let started = start(state, &req).await?;
+    Metrics::add(&state.metrics.prompt_tokens, started.prompt_ids.len() as u64);
+    let id = format!("chatcmpl-{:x}", state.new_request_id());
+    if req.stream {
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        Ok(stream(state.clone(), started, id, include_usage, req.return_token_ids).into_response())
+    } else {
+        collect(state, started, id, req.return_token_ids).await.map(|c| axum::Json(c).into_response())
+    }
+}
+
+/// Waits for the next event of a request, at most the token timeout.
+async fn next_event(state: &AppState, started: &mut Started) -> Result<OutputEvent, ApiError> {
+    match tokio::time::timeout(state.timeouts.token, started.events.recv()).await {
+        Ok(Some(ev)) => Ok(ev),
+        Ok(None) => Err(ApiError::Internal("the request's event stream closed".into())),
+        Err(_) => Err(ApiError::Unavailable(format!(
+            "no token from the engine within {} s",
+            state.timeouts.token.as_secs()
+        ))),
+    }
+}
+
+fn usage(started: &Started, completion: u64) -> Usage {
+    let prompt = started.prompt_ids.len() as u64;
+    Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: prompt + completion,
+        prompt_tokens_details: PromptDetails { image_tokens: started.image_tokens },
+    }
+}
+
+async fn collect(state: &AppState, mut started: Started, id: String, return_ids: bool) -> Result<ChatCompletion, ApiError> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    let finish = loop {
+        let ev = next_event(state, &mut started).await?;
+        tokens.extend(ev.token_id);
+        text.push_str(&ev.text);
+        if let Some(f) = ev.finish {
+            break f;
+        }
+    };
+    started.guard.mark_finished();
+    Metrics::add(&state.metrics.generation_tokens, tokens.len() as u64);
+    if let FinishReason::Error(message) = &finish {
+        return Err(ApiError::Internal(format!("generation failed: {message}")));
+    }
+    let completion = tokens.len() as u64;
+    Ok(ChatCompletion {
+        id,
+        object: "chat.completion",
+        created: now(),
+        model: state.model_name.clone(),
+        choices: vec![Choice {
+            index: 0,
+            message: AssistantMessage { role: "assistant", content: text },
+            finish_reason: Some(finish_name(&finish)),
+            logprobs: None,
+            token_ids: return_ids.then_some(tokens),
+        }],
+        usage: usage(&started, completion),
+        prompt_token_ids: return_ids.then(|| started.prompt_ids.clone()),
+    })
+}
+
+/// What the SSE stream carries between frames.
+struct StreamState {
+    state: Arc<AppState>,
+    started: Started,
+    id: String,
+    created: u64,
+    completion: u64,
+    include_usage: bool,
+    return_ids: bool,
+    /// Frames built but not yet sent, oldest first.
+    pending: std::collections::VecDeque<Event>,
+    done: bool,
+}
+
+impl StreamState {
+    fn chunk(&self, delta: Delta, finish: Option<&'static str>, token_ids: Option<Vec<u32>>) -> Event {
+        let c = ChatChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.state.model_name.clone(),
+            choices: vec![ChunkChoice { index: 0, delta, finish_reason: finish, logprobs: None, token_ids }],
+            usage: None,
+        };
+        Event::default().data(serde_json::to_string(&c).unwrap_or_default())
+    }
+}
+
+fn stream(state: Arc<AppState>, started: Started, id: String, include_usage: bool, return_ids: bool) -> impl IntoResponse {
+    let mut s = StreamState {
+        state,
+        started,
+        id,
+        created: now(),
+        completion: 0,
+        include_usage,
+        return_ids,
+        pending: Default::default(),
+        done: false,
+    };
+    let first = s.chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None, None);
+    s.pending.push_back(first);
+    // The guard lives inside the stream: if the client disconnects, the stream is
+    // dropped and the request is aborted and its cache references released.
+    let body = futures::stream::unfold(s, |mut s| async move {
+        loop {
+            if let Some(ev) = s.pending.pop_front() {
+                return Some((Ok::<_, Infallible>(ev), s));
+            }
+            if s.done {
+                return None;
+            }
+            match next_event(&s.state, &mut s.started).await {
+                Ok(ev) => s.on_event(ev),
+                Err(e) => {
+                    s.pending.push_back(Event::default().data(e.body().to_string()));
+                    s.done = true;
+                }
+            }
+        }
+    });
+    Sse::new(body).keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+impl StreamState {
+    fn on_event(&mut self, ev: OutputEvent) {
+        if ev.token_id.is_some() {
+            self.completion += 1;
+            Metrics::add(&self.state.metrics.generation_tokens, 1);
+        }
+        let token_ids = self.return_ids.then(|| ev.token_id.into_iter().collect());
+        match ev.finish {
+            Some(FinishReason::Error(message)) => {
+                let err = ApiError::Internal(format!("generation failed: {message}"));
+                self.pending.push_back(Event::default().data(err.body().to_string()));
+                self.started.guard.mark_finished();
+                self.done = true;
+            }
+            Some(reason) => {
+                self.started.guard.mark_finished();
+                let content = (!ev.text.is_empty()).then_some(ev.text);
+                let last = self.chunk(Delta { role: None, content }, Some(finish_name(&reason)), token_ids);
+                self.pending.push_back(last);
+                if self.include_usage {
+                    let c = ChatChunk {
+                        id: self.id.clone(),
+                        object: "chat.completion.chunk",
+                        created: self.created,
+                        model: self.state.model_name.clone(),
+                        choices: Vec::new(),
+                        usage: Some(usage(&self.started, self.completion)),
+                    };
+                    self.pending.push_back(Event::default().data(serde_json::to_string(&c).unwrap_or_default()));
+                }
+                self.pending.push_back(Event::default().data("[DONE]"));
+                self.done = true;
+            }
+            None => {
+                if !ev.text.is_empty() || self.return_ids {
+                    let frame = self.chunk(Delta { role: None, content: Some(ev.text) }, None, token_ids);
+                    self.pending.push_back(frame);
+                }
+            }
+        }
+    }
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    axum::Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mmserve",
+            "max_model_len": state.max_model_len,
+        }]
+    }))
+}
+
+/// Ready only when every service answers.
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let t = Duration::from_secs(2);
+    let (c, e, g) = tokio::join!(
+        state.cache.stats(deadline(t)),
+        state.encoder.stats(deadline(t)),
+        state.engine.info(deadline(t))
+    );
+    let mut down = Vec::new();
+    if c.is_err() {
+        down.push("embed-cache");
+    }
+    if e.is_err() {
+        down.push("encoder");
+    }
+    if g.is_err() {
+        down.push("engine");
+    }
+    if down.is_empty() {
+        (StatusCode::OK, axum::Json(serde_json::json!({"status": "ok"}))).into_response()
+    } else {
+        ApiError::Unavailable(format!("not ready: {} not answering", down.join(", "))).into_response()
+    }
+}
+
+/// Prometheus text format.
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    use std::fmt::Write;
+    let t = Duration::from_secs(2);
+    let (c, e, g) = tokio::join!(
+        state.cache.stats(deadline(t)),
+        state.encoder.stats(deadline(t)),
+        state.engine.info(deadline(t))
+    );
+    let mut out = String::new();
+    let mut line = |name: &str, kind: &str, help: &str, v: u64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+    };
+    let m = &state.metrics;
+    line("mmserve_requests_total", "counter", "Chat completion requests received.", m.requests.load(Ordering::Relaxed));
+    line("mmserve_requests_failed_total", "counter", "Requests answered with an error.", m.failed.load(Ordering::Relaxed));
+    line("mmserve_prompt_tokens_total", "counter", "Prompt tokens, expanded media included.", m.prompt_tokens.load(Ordering::Relaxed));
+    line("mmserve_generation_tokens_total", "counter", "Generated tokens.", m.generation_tokens.load(Ordering::Relaxed));
+    if let Ok(s) = c {
+        line("mmserve_embed_cache_hits_total", "counter", "Items found in the embed cache.", s.hits);
+        line("mmserve_embed_cache_misses_total", "counter", "Items added to the embed cache.", s.misses);
+        line("mmserve_embed_cache_evictions_total", "counter", "Items evicted from the embed cache.", s.evictions);
+        line("mmserve_embed_cache_items", "gauge", "Items in the embed cache.", s.items);
+        line("mmserve_embed_cache_slots_used", "gauge", "Embedding slots in use.", s.slots_used);
+        line("mmserve_embed_cache_slots_total", "gauge", "Embedding slots in the arena.", s.slots_total);
+        line("mmserve_embed_cache_references", "gauge", "References held by requests in flight.", s.references);
+    }
+    if let Ok(s) = e {
+        line("mmserve_encoder_items_total", "counter", "Items run through the encoder tower.", s.items_encoded);
+        line("mmserve_encoder_batches_total", "counter", "Encoder tower forwards.", s.batches);
+    }
+    if let Ok(s) = g {
+        line("mmserve_running_requests", "gauge", "Requests decoding in the engine.", s.running);
+        line("mmserve_waiting_requests", "gauge", "Requests waiting for the engine.", s.waiting);
+    }
+    ([("content-type", "text/plain; version=0.0.4")], out).into_response()
+}

@@ -1,0 +1,171 @@
+//! The model thread: a simple continuous batch. Each step admits waiting requests (up
+//! to `--max-running-requests`), runs one forward over every running sequence (new ones
+//! prefill their whole prompt, the others decode one token), samples, detokenizes and
+//! publishes events. The paged KV cache and chunked prefill replace this in the engine
+//! issue.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, TryRecvError};
+
+use candle_core::Tensor;
+use mmserve_models::{KvCache, Llama, SeqInput};
+use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
+use mmserve_text::{IncrementalDecoder, TextTokenizer};
+
+use crate::inputs::{Arena, embed_prompt};
+use crate::outbox::Outbox;
+use crate::sampler::{Rng, sample};
+
+pub enum Command {
+    Submit(Box<GenerateRequest>),
+    Abort(u64),
+}
+
+struct Sequence {
+    req: GenerateRequest,
+    cache: KvCache,
+    /// Tokens generated so far.
+    output: Vec<u32>,
+    decoder: IncrementalDecoder,
+    rng: Rng,
+}
+
+pub struct Batcher {
+    pub model: Llama,
+    pub tokenizer: TextTokenizer,
+    pub arena: Arena,
+    pub outbox: Arc<Outbox>,
+    pub max_running: usize,
+    pub counts: Arc<crate::service::Counts>,
+}
+
+impl Batcher {
+    /// Runs until the command channel closes.
+    pub fn run(self, commands: Receiver<Command>) {
+        let mut waiting: VecDeque<GenerateRequest> = VecDeque::new();
+        let mut running: Vec<Sequence> = Vec::new();
+        loop {
+            // Idle: block until there is work (a notification, not a poll).
+            if waiting.is_empty() && running.is_empty() {
+                match commands.recv() {
+                    Ok(cmd) => self.apply(cmd, &mut waiting, &mut running),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match commands.try_recv() {
+                    Ok(cmd) => self.apply(cmd, &mut waiting, &mut running),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            }
+            while running.len() < self.max_running {
+                let Some(req) = waiting.pop_front() else { break };
+                let seed = req.params.seed.unwrap_or_else(|| fresh_seed(req.id));
+                running.push(Sequence {
+                    decoder: IncrementalDecoder::new(req.params.skip_special_tokens),
+                    cache: self.model.new_cache(),
+                    output: Vec::new(),
+                    rng: Rng::new(seed),
+                    req,
+                });
+            }
+            self.counts.set(running.len(), waiting.len());
+            if !running.is_empty() {
+                self.step(&mut running);
+            }
+            self.counts.set(running.len(), waiting.len());
+        }
+    }
+
+    fn apply(&self, cmd: Command, waiting: &mut VecDeque<GenerateRequest>, running: &mut Vec<Sequence>) {
+        match cmd {
+            Command::Submit(req) => waiting.push_back(*req),
+            Command::Abort(id) => {
+                let client = if let Some(pos) = waiting.iter().position(|r| r.id == id) {
+                    waiting.remove(pos).map(|r| r.client)
+                } else if let Some(pos) = running.iter().position(|s| s.req.id == id) {
+                    Some(running.swap_remove(pos).req.client)
+                } else {
+                    None
+                };
+                if let Some(client) = client {
+                    self.outbox.push(client, [finish_event(id, FinishReason::Abort)]);
+                }
+            }
+        }
+    }
+
+    /// One forward over every running sequence, then sampling and events.
+    fn step(&self, running: &mut Vec<Sequence>) {
+        let logits = match self.forward(running) {
+            Ok(l) => l,
+            Err(message) => {
+                tracing::error!("forward step failed: {message}");
+                for seq in running.drain(..) {
+                    self.outbox.push(seq.req.client, [finish_event(seq.req.id, FinishReason::Error(message.clone()))]);
+                }
+                return;
+            }
+        };
+        let mut finished = Vec::new();
+        for (i, (seq, row)) in running.iter_mut().zip(logits).enumerate() {
+            let token = sample(&row, &seq.req.params, &mut seq.rng);
+            seq.output.push(token);
+            let p = &seq.req.params;
+            let is_stop = (!p.ignore_eos && self.tokenizer.eos_ids().contains(&token)) || p.stop_token_ids.contains(&token);
+            let finish = if is_stop {
+                Some(FinishReason::Stop)
+            } else if seq.output.len() >= p.max_tokens as usize {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let mut text = seq.decoder.push(&self.tokenizer, token);
+            if finish.is_some() {
+                text.push_str(&seq.decoder.finish(&self.tokenizer));
+                finished.push(i);
+            }
+            self.outbox.push(seq.req.client, [OutputEvent { request_id: seq.req.id, token_id: Some(token), text, finish }]);
+        }
+        for i in finished.into_iter().rev() {
+            running.swap_remove(i);
+        }
+    }
+
+    /// Logits of each sequence's last position, one row per sequence.
+    fn forward(&self, running: &mut [Sequence]) -> Result<Vec<Vec<f32>>, String> {
+        let mut embeds = Vec::with_capacity(running.len());
+        for seq in running.iter() {
+            let e = if seq.cache.is_empty() {
+                embed_prompt(&self.model, &self.arena, &seq.req.prompt_ids, &seq.req.items)?
+            } else {
+                let last = *seq.output.last().expect("a decoding sequence has output");
+                self.model.embed_tokens(&[last]).map_err(|e| e.to_string())?
+            };
+            embeds.push(e);
+        }
+        let lens: Vec<usize> = embeds.iter().map(|e| e.dim(0).unwrap_or(0)).collect();
+        let input = Tensor::cat(&embeds, 0).map_err(|e| e.to_string())?;
+        let mut seqs: Vec<SeqInput<'_>> = running
+            .iter_mut()
+            .zip(lens)
+            .map(|(s, n)| SeqInput { new_tokens: n, cache: &mut s.cache })
+            .collect();
+        let logits = self.model.forward(&input, &mut seqs, false).map_err(|e| e.to_string())?;
+        logits.to_vec2::<f32>().map_err(|e| e.to_string())
+    }
+}
+
+fn finish_event(request_id: u64, reason: FinishReason) -> OutputEvent {
+    OutputEvent { request_id, token_id: None, text: String::new(), finish: Some(reason) }
+}
+
+/// A seed for requests that give none: differs per request and per run.
+fn fresh_seed(id: u64) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    Rng::new(nanos ^ id.rotate_left(32)).next_u64()
+}

@@ -1,0 +1,76 @@
+//! The engine service (its own process): router, worker and detokenizer in one loop.
+//!
+//! The tarpc face ([`service`]) turns `submit` / `abort` into commands on a bounded
+//! channel; the model thread ([`batch`]) owns every running sequence, runs one batched
+//! forward step at a time (new requests prefill in the same step in which running ones
+//! decode), samples ([`sampler`]), detokenizes and pushes events into the [`outbox`],
+//! from which each api process long-polls its own.
+
+mod batch;
+mod inputs;
+mod outbox;
+mod sampler;
+mod service;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use service::EngineService;
+
+/// Flags of `mmserve engine`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Unix socket to serve on.
+    #[arg(long, env = "MMSERVE_ENGINE_SOCKET")]
+    pub socket: PathBuf,
+    /// The embed-cache service's socket (for the arena's location).
+    #[arg(long, env = "MMSERVE_CACHE_SOCKET")]
+    pub cache_socket: PathBuf,
+    /// Hugging Face model directory.
+    #[arg(long, env = "MMSERVE_MODEL")]
+    pub model: PathBuf,
+    /// Most sequences decoding at once.
+    #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
+    pub max_running_requests: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineServiceError {
+    #[error(transparent)]
+    Config(#[from] mmserve_config::ConfigError),
+    #[error(transparent)]
+    Model(#[from] mmserve_models::ModelError),
+    #[error(transparent)]
+    Text(#[from] mmserve_text::TextError),
+    #[error("embed cache: {0}")]
+    Cache(String),
+    #[error(transparent)]
+    Shm(#[from] mmserve_shm::ShmError),
+    #[error("binding {path}: {source}")]
+    Bind { path: PathBuf, source: std::io::Error },
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub async fn run(args: EngineArgs, shutdown: impl Future<Output = ()>) -> Result<(), EngineServiceError> {
+    let transport = mmserve_protocol::transport::connect(&args.cache_socket, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| EngineServiceError::Cache(e.to_string()))?;
+    let cache = mmserve_protocol::EmbedCacheClient::new(Default::default(), transport).spawn();
+    let arena = cache
+        .arena(mmserve_protocol::deadline(CONNECT_TIMEOUT))
+        .await
+        .map_err(|e| EngineServiceError::Cache(e.to_string()))?;
+    let service = EngineService::start(&args, arena)?;
+    let listener = mmserve_protocol::transport::bind(&args.socket)
+        .map_err(|source| EngineServiceError::Bind { path: args.socket.clone(), source })?;
+    mmserve_protocol::ready::announce("engine");
+    let server = mmserve_protocol::Engine::serve(service.clone());
+    tokio::select! {
+        _ = async move { mmserve_protocol::serve_unix!(listener, server) } => {}
+        _ = shutdown => {}
+    }
+    service.stop();
+    let _ = std::fs::remove_file(&args.socket);
+    Ok(())
+}

@@ -1,0 +1,123 @@
+//! The tarpc face of the engine.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use mmserve_config::ModelDir;
+use mmserve_models::Llama;
+use mmserve_protocol::cache::ArenaInfo;
+use mmserve_protocol::{Engine, EngineError, EngineInfo, GenerateRequest, OutputEvent};
+use mmserve_shm::Segment;
+use mmserve_text::TextTokenizer;
+use tarpc::context::Context;
+
+use crate::batch::{Batcher, Command};
+use crate::inputs::{Arena, validate};
+use crate::outbox::Outbox;
+use crate::{EngineArgs, EngineServiceError};
+
+/// Queue sizes, published by the model thread for `info`.
+#[derive(Default)]
+pub struct Counts {
+    running: AtomicU64,
+    waiting: AtomicU64,
+}
+
+impl Counts {
+    pub fn set(&self, running: usize, waiting: usize) {
+        self.running.store(running as u64, Ordering::Relaxed);
+        self.waiting.store(waiting as u64, Ordering::Relaxed);
+    }
+}
+
+/// The longest a long poll may hold, whatever the caller asks (below tarpc's deadline).
+const MAX_POLL: Duration = Duration::from_secs(5);
+
+#[derive(Clone)]
+pub struct EngineService {
+    commands: Arc<Mutex<Option<SyncSender<Command>>>>,
+    outbox: Arc<Outbox>,
+    counts: Arc<Counts>,
+    vocab: usize,
+    max_len: usize,
+    /// What `validate` checks item spans against.
+    arena_slots: u64,
+}
+
+impl EngineService {
+    pub fn start(args: &EngineArgs, info: ArenaInfo) -> Result<Self, EngineServiceError> {
+        let dir = ModelDir::open(&args.model)?;
+        let model = Llama::load(&dir, &Device::Cpu, DType::F32)?;
+        let tokenizer = TextTokenizer::from_dir(&dir)?;
+        let hidden = info.hidden as usize;
+        let segment = Segment::open(&info.segment, info.slots as usize * hidden * 4)?;
+        let vocab = model.config().vocab_size;
+        let max_len = model.config().max_position_embeddings;
+        let outbox = Arc::new(Outbox::default());
+        let counts = Arc::new(Counts::default());
+        // Bounded: a flood of submissions waits here instead of growing without limit.
+        let (tx, rx) = std::sync::mpsc::sync_channel(1024);
+        let batcher = Batcher {
+            model,
+            tokenizer,
+            arena: Arena { segment, hidden },
+            outbox: outbox.clone(),
+            max_running: args.max_running_requests.max(1),
+            counts: counts.clone(),
+        };
+        std::thread::Builder::new()
+            .name("engine-model".into())
+            .spawn(move || batcher.run(rx))
+            .expect("spawning the model thread");
+        Ok(EngineService {
+            commands: Arc::new(Mutex::new(Some(tx))),
+            outbox,
+            counts,
+            vocab,
+            max_len,
+            arena_slots: info.slots,
+        })
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        let guard = self.commands.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = guard.as_ref().ok_or(EngineError::ShuttingDown)?;
+        match tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(EngineError::Invalid("the engine's queue is full".into())),
+            Err(TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
+        }
+    }
+
+    /// Closes the command channel; the model thread ends after its current step.
+    pub fn stop(&self) {
+        self.commands.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}
+
+impl Engine for EngineService {
+    async fn info(self, _: Context) -> EngineInfo {
+        EngineInfo {
+            vocab_size: self.vocab as u64,
+            max_model_len: self.max_len as u64,
+            running: self.counts.running.load(Ordering::Relaxed),
+            waiting: self.counts.waiting.load(Ordering::Relaxed),
+        }
+    }
+
+    async fn submit(self, _: Context, request: GenerateRequest) -> Result<(), EngineError> {
+        validate(&request, self.vocab, self.arena_slots, self.max_len)?;
+        self.send(Command::Submit(Box::new(request)))
+    }
+
+    async fn abort(self, _: Context, request_id: u64) {
+        let _ = self.send(Command::Abort(request_id));
+    }
+
+    async fn next_events(self, _: Context, client: u64, max_wait_ms: u64) -> Vec<OutputEvent> {
+        self.outbox.take(client, Duration::from_millis(max_wait_ms).min(MAX_POLL)).await
+    }
+}

@@ -1,0 +1,51 @@
+//! `mmserve`: one binary for every process of the server and its clients.
+//!
+//! `serve` starts and supervises the four service processes, each of which is this
+//! same binary run with the service's subcommand (usable on its own, too).
+
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "mmserve", version, about = "A multimodal LLM server: images in, text out")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start the server: embed-cache, encoder, engine and api processes.
+    Serve(serve::ServeArgs),
+    /// Run the embed-cache service alone.
+    EmbedCache(mmserve_embed_cache::CacheArgs),
+    /// Run the encoder service alone.
+    Encoder(mmserve_encoder::EncoderArgs),
+    /// Run the engine service alone.
+    Engine(mmserve_engine::EngineArgs),
+    /// Run the HTTP api service alone.
+    Api(mmserve_api::ApiArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MMSERVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let shutdown = mmserve_protocol::ready::shutdown_signal;
+    rt.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve::run(args).await,
+            Command::EmbedCache(args) => Ok(mmserve_embed_cache::run(args, shutdown()).await?),
+            Command::Encoder(args) => Ok(mmserve_encoder::run(args, shutdown()).await?),
+            Command::Engine(args) => Ok(mmserve_engine::run(args, shutdown()).await?),
+            Command::Api(args) => Ok(mmserve_api::run(args, shutdown()).await?),
+        }
+    })
+}

@@ -1,0 +1,273 @@
+//! `mmserve serve`: starts the four processes in dependency order, waits (with a
+//! timeout) for each one's readiness line, prints the URL, and supervises. On Ctrl-C or
+//! SIGTERM, or when a child dies, it stops every child and removes every shared-memory
+//! segment and socket of the run.
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use mmserve_config::ModelDir;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdout, Command};
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Hugging Face model directory.
+    #[arg(long, env = "MMSERVE_MODEL", default_value = "assets/models/llava-tiny")]
+    pub model: PathBuf,
+    #[arg(long, env = "MMSERVE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port.
+    #[arg(long, env = "MMSERVE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Embedding slots in the embed cache's arena.
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_SLOTS", default_value_t = 65536)]
+    pub embed_cache_slots: u64,
+    /// Most items the embed cache holds.
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_ITEMS", default_value_t = 4096)]
+    pub embed_cache_items: u64,
+    /// Most sequences decoding at once.
+    #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
+    pub max_running_requests: usize,
+    /// Longest wait for one process to become ready, in seconds.
+    #[arg(long, env = "MMSERVE_READY_TIMEOUT_S", default_value_t = 300)]
+    pub ready_timeout_s: u64,
+}
+
+/// How long a child gets to exit after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+struct Running {
+    name: &'static str,
+    pid: u32,
+}
+
+/// Where this run keeps its sockets and how its shared memory is named.
+struct RunPaths {
+    dir: PathBuf,
+    shm_prefix: String,
+}
+
+impl RunPaths {
+    fn new() -> anyhow::Result<Self> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
+        let tag = format!("{}-{nanos:08x}", std::process::id());
+        let dir = std::env::temp_dir().join(format!("mmserve-{tag}"));
+        std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        Ok(RunPaths { dir, shm_prefix: format!("mmserve-{tag}") })
+    }
+
+    fn socket(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.sock"))
+    }
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let dir = ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let paths = RunPaths::new()?;
+    let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, std::io::Result<ExitStatus>)>(8);
+    let mut running: Vec<Running> = Vec::new();
+    let started = start_all(&args, &dir, &paths, &exit_tx, &mut running).await;
+    let outcome = match started {
+        Err(e) => Err(e),
+        Ok(url) => {
+            println!("mmserve: serving {} at {url}", dir.name);
+            tokio::select! {
+                _ = mmserve_protocol::ready::shutdown_signal() => {
+                    eprintln!("mmserve: shutting down");
+                    Ok(())
+                }
+                Some((name, status)) = exit_rx.recv() => {
+                    Err(anyhow::anyhow!("the {name} process exited unexpectedly ({})", describe(status)))
+                }
+            }
+        }
+    };
+    stop_all(&running, &mut exit_rx).await;
+    let removed = mmserve_shm::remove_with_prefix(&paths.shm_prefix);
+    if removed > 0 {
+        tracing::info!("removed {removed} shared-memory segments left by stopped processes");
+    }
+    let _ = std::fs::remove_dir_all(&paths.dir);
+    outcome
+}
+
+fn describe(status: std::io::Result<ExitStatus>) -> String {
+    match status {
+        Ok(s) => s.to_string(),
+        Err(e) => format!("wait failed: {e}"),
+    }
+}
+
+/// Starts the processes in order; returns the api's URL.
+async fn start_all(
+    args: &ServeArgs,
+    dir: &ModelDir,
+    paths: &RunPaths,
+    exit_tx: &mpsc::Sender<(&'static str, std::io::Result<ExitStatus>)>,
+    running: &mut Vec<Running>,
+) -> anyhow::Result<String> {
+    let model = args.model.to_string_lossy().into_owned();
+    let cache_socket = paths.socket("embed-cache");
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    let cache_args = vec![
+        "--socket".into(),
+        s(&cache_socket),
+        "--shm-prefix".into(),
+        paths.shm_prefix.clone(),
+        "--embed-dim".into(),
+        dir.config.lm_hidden_size().to_string(),
+        "--embed-cache-slots".into(),
+        args.embed_cache_slots.to_string(),
+        "--embed-cache-items".into(),
+        args.embed_cache_items.to_string(),
+    ];
+    let encoder_args = vec![
+        "--socket".into(),
+        s(&paths.socket("encoder")),
+        "--cache-socket".into(),
+        s(&cache_socket),
+        "--model".into(),
+        model.clone(),
+    ];
+    let engine_args = vec![
+        "--socket".into(),
+        s(&paths.socket("engine")),
+        "--cache-socket".into(),
+        s(&cache_socket),
+        "--model".into(),
+        model.clone(),
+        "--max-running-requests".into(),
+        args.max_running_requests.to_string(),
+    ];
+    let api_args = vec![
+        "--host".into(),
+        args.host.clone(),
+        "--port".into(),
+        args.port.to_string(),
+        "--model".into(),
+        model,
+        "--cache-socket".into(),
+        s(&cache_socket),
+        "--encoder-socket".into(),
+        s(&paths.socket("encoder")),
+        "--engine-socket".into(),
+        s(&paths.socket("engine")),
+    ];
+    let timeout = Duration::from_secs(args.ready_timeout_s);
+    running.push(start_one("embed-cache", cache_args, timeout, exit_tx).await?.1);
+    // The encoder and the engine load their weights at the same time.
+    let (encoder, engine) = tokio::join!(
+        start_one("encoder", encoder_args, timeout, exit_tx),
+        start_one("engine", engine_args, timeout, exit_tx)
+    );
+    let (encoder, engine) = (encoder.map(|r| running.push(r.1)), engine.map(|r| running.push(r.1)));
+    encoder?;
+    engine?;
+    let (url, api) = start_one("api", api_args, timeout, exit_tx).await?;
+    running.push(api);
+    Ok(url)
+}
+
+/// Spawns `mmserve <name> <args>` and waits for its readiness line; returns the line's
+/// detail. A child that exits or stays silent past `timeout` is killed and reported.
+async fn start_one(
+    name: &'static str,
+    args: Vec<String>,
+    timeout: Duration,
+    exit_tx: &mpsc::Sender<(&'static str, std::io::Result<ExitStatus>)>,
+) -> anyhow::Result<(String, Running)> {
+    let exe = std::env::current_exe().context("locating the mmserve binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg(name).args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it asks the
+    // kernel to SIGTERM the child when `serve` dies, so no child outlives a killed supervisor.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child: Child = cmd.spawn().with_context(|| format!("starting the {name} process"))?;
+    let pid = child.id().unwrap_or(0);
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(timeout, wait_ready(name, &mut lines)).await;
+    let detail = match ready {
+        Ok(Ok(detail)) => detail,
+        Ok(Err(e)) => {
+            let status = child.wait().await;
+            bail!("the {name} process {e} ({})", describe(status));
+        }
+        Err(_) => {
+            let _ = child.kill().await;
+            bail!("the {name} process was not ready within {} s", timeout.as_secs());
+        }
+    };
+    tracing::info!("{name} ready (pid {pid})");
+    tokio::spawn(async move {
+        // Keep forwarding what the child prints.
+        while let Ok(Some(line)) = lines.next_line().await {
+            println!("{line}");
+        }
+    });
+    let tx = exit_tx.clone();
+    tokio::spawn(async move {
+        let status = child.wait().await;
+        let _ = tx.send((name, status)).await;
+    });
+    Ok((detail, Running { name, pid }))
+}
+
+async fn wait_ready(name: &str, lines: &mut tokio::io::Lines<BufReader<ChildStdout>>) -> Result<String, String> {
+    loop {
+        match lines.next_line().await {
+            Ok(Some(line)) => match mmserve_protocol::ready::parse(&line) {
+                Some((service, detail)) if service == name => return Ok(detail.trim().to_string()),
+                _ => println!("{line}"),
+            },
+            Ok(None) => return Err("exited before it was ready".into()),
+            Err(e) => return Err(format!("could not be read: {e}")),
+        }
+    }
+}
+
+/// SIGTERM to every child (the api first), SIGKILL to any still there after the grace time.
+async fn stop_all(running: &[Running], exits: &mut mpsc::Receiver<(&'static str, std::io::Result<ExitStatus>)>) {
+    let mut alive: Vec<&Running> = running.iter().collect();
+    for r in alive.iter().rev() {
+        signal(r.pid, libc::SIGTERM);
+    }
+    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+    while !alive.is_empty() {
+        match tokio::time::timeout_at(deadline, exits.recv()).await {
+            Ok(Some((name, _))) => alive.retain(|r| r.name != name),
+            Ok(None) => break,
+            Err(_) => {
+                for r in &alive {
+                    tracing::warn!("the {} process did not stop in time; killing it", r.name);
+                    signal(r.pid, libc::SIGKILL);
+                }
+                break;
+            }
+        }
+    }
+}
+
+fn signal(pid: u32, sig: i32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        if pid > 0 {
+            // SAFETY: kill(2) with a pid we spawned; it has no memory effects on us.
+            unsafe {
+                libc::kill(pid, sig);
+            }
+        }
+    }
+}
