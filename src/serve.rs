@@ -73,6 +73,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, std::io::Result<ExitStatus>)>(8);
     let mut running: Vec<Running> = Vec::new();
     let started = start_all(&args, &dir, &paths, &exit_tx, &mut running).await;
+    let mut exited: Vec<&'static str> = Vec::new();
     let outcome = match started {
         Err(e) => Err(e),
         Ok(url) => {
@@ -83,12 +84,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                     Ok(())
                 }
                 Some((name, status)) = exit_rx.recv() => {
+                    exited.push(name);
                     Err(anyhow::anyhow!("the {name} process exited unexpectedly ({})", describe(status)))
                 }
             }
         }
     };
-    stop_all(&running, &mut exit_rx).await;
+    stop_all(&running, exited, &mut exit_rx).await;
     let removed = mmserve_shm::remove_with_prefix(&paths.shm_prefix);
     if removed > 0 {
         tracing::info!("removed {removed} shared-memory segments left by stopped processes");
@@ -239,35 +241,46 @@ async fn wait_ready(name: &str, lines: &mut tokio::io::Lines<BufReader<ChildStdo
     }
 }
 
-/// SIGTERM to every child (the api first), SIGKILL to any still there after the grace time.
-async fn stop_all(running: &[Running], exits: &mut mpsc::Receiver<(&'static str, std::io::Result<ExitStatus>)>) {
-    let mut alive: Vec<&Running> = running.iter().collect();
-    for r in alive.iter().rev() {
+/// Stops the children one at a time, the api first (so no request is cut off by a
+/// service behind it vanishing): SIGTERM, then SIGKILL if one is still there after the
+/// grace time.
+async fn stop_all(
+    running: &[Running],
+    mut gone: Vec<&'static str>,
+    exits: &mut mpsc::Receiver<(&'static str, std::io::Result<ExitStatus>)>,
+) {
+    for r in running.iter().rev() {
+        if gone.contains(&r.name) {
+            continue;
+        }
         signal(r.pid, libc::SIGTERM);
-    }
-    let deadline = tokio::time::Instant::now() + STOP_GRACE;
-    while !alive.is_empty() {
-        match tokio::time::timeout_at(deadline, exits.recv()).await {
-            Ok(Some((name, _))) => alive.retain(|r| r.name != name),
-            Ok(None) => break,
-            Err(_) => {
-                for r in &alive {
+        let deadline = tokio::time::Instant::now() + STOP_GRACE;
+        loop {
+            match tokio::time::timeout_at(deadline, exits.recv()).await {
+                Ok(Some((name, _))) => {
+                    gone.push(name);
+                    if name == r.name {
+                        break;
+                    }
+                }
+                Ok(None) => return,
+                Err(_) => {
                     tracing::warn!("the {} process did not stop in time; killing it", r.name);
                     signal(r.pid, libc::SIGKILL);
+                    break;
                 }
-                break;
             }
         }
     }
 }
 
 fn signal(pid: u32, sig: i32) {
-    if let Ok(pid) = i32::try_from(pid) {
-        if pid > 0 {
-            // SAFETY: kill(2) with a pid we spawned; it has no memory effects on us.
-            unsafe {
-                libc::kill(pid, sig);
-            }
+    if let Ok(pid) = i32::try_from(pid)
+        && pid > 0
+    {
+        // SAFETY: kill(2) with a pid we spawned; it has no memory effects on us.
+        unsafe {
+            libc::kill(pid, sig);
         }
     }
 }

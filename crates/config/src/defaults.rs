@@ -34,28 +34,23 @@ impl<'a> Fields<'a> {
     pub(crate) fn f64_or(&self, key: &str, default: f64) -> Result<f64, String> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| format!("{}.{key} must be a number, got {v}", self.name)),
+            Some(v) => v.as_f64().ok_or_else(|| format!("{}.{key} must be a number, got {v}", self.name)),
         }
     }
 
     pub(crate) fn bool_or(&self, key: &str, default: bool) -> Result<bool, String> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| format!("{}.{key} must be a boolean, got {v}", self.name)),
+            Some(v) => v.as_bool().ok_or_else(|| format!("{}.{key} must be a boolean, got {v}", self.name)),
         }
     }
 
     pub(crate) fn str_or(&self, key: &str, default: &str) -> Result<String, String> {
         match self.get(key) {
             None => Ok(default.to_string()),
-            Some(v) => v
-                .as_str()
-                .map(str::to_string)
-                .ok_or_else(|| format!("{}.{key} must be a string, got {v}", self.name)),
+            Some(v) => {
+                v.as_str().map(str::to_string).ok_or_else(|| format!("{}.{key} must be a string, got {v}", self.name))
+            }
         }
     }
 }

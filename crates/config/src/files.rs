@@ -41,10 +41,8 @@ impl ModelDir {
         }
         let config_path = root.join("config.json");
         let raw_config = read_json(&config_path)?;
-        let config = ModelConfig::from_json(&raw_config).map_err(|message| ConfigError::Invalid {
-            path: config_path.clone(),
-            message,
-        })?;
+        let config = ModelConfig::from_json(&raw_config)
+            .map_err(|message| ConfigError::Invalid { path: config_path.clone(), message })?;
         let name = root
             .canonicalize()
             .ok()
@@ -77,10 +75,7 @@ impl ModelDir {
         let map = index
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| ConfigError::Invalid {
-                path: index_path.clone(),
-                message: "no weight_map object".into(),
-            })?;
+            .ok_or_else(|| ConfigError::Invalid { path: index_path.clone(), message: "no weight_map object".into() })?;
         let mut shards: Vec<String> = Vec::new();
         for file in map.values() {
             let file = file.as_str().ok_or_else(|| ConfigError::Invalid {
@@ -106,9 +101,7 @@ impl ModelDir {
     pub fn chat_template(&self) -> Result<Option<String>, ConfigError> {
         let jinja = self.path("chat_template.jinja");
         if jinja.exists() {
-            return std::fs::read_to_string(&jinja)
-                .map(Some)
-                .map_err(|source| ConfigError::Io { path: jinja, source });
+            return std::fs::read_to_string(&jinja).map(Some).map_err(|source| ConfigError::Io { path: jinja, source });
         }
         let Some(tc) = self.optional_json("tokenizer_config.json")? else {
             return Ok(None);
@@ -127,12 +120,6 @@ impl ModelDir {
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|source| ConfigError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text).map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })
 }

@@ -20,15 +20,9 @@ pub enum ConfigError {
     #[error("model directory {0} does not exist or is not a directory")]
     NotADirectory(PathBuf),
     #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: invalid JSON: {source}")]
-    Json {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    Json { path: PathBuf, source: serde_json::Error },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
     #[error("unsupported architecture {0:?} (supported: LlavaForConditionalGeneration)")]
@@ -47,11 +41,7 @@ impl ModelConfig {
     /// Parses a `config.json` value, dispatching on `model_type` / `architectures`.
     pub fn from_json(value: &serde_json::Value) -> Result<Self, String> {
         let model_type = value.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-        let arch = value
-            .get("architectures")
-            .and_then(|a| a.get(0))
-            .and_then(|a| a.as_str())
-            .unwrap_or("");
+        let arch = value.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str()).unwrap_or("");
         if model_type == "llava" || arch == "LlavaForConditionalGeneration" {
             return LlavaConfig::from_json(value).map(ModelConfig::Llava);
         }

@@ -153,21 +153,19 @@ impl LlavaConfig {
         let vision_json = v.get("vision_config").cloned().unwrap_or(Value::Object(Default::default()));
         let mut text = LlamaConfig::from_json(&text_json, tie)?;
         // Hub configs of llava-1.5 keep the padded vocab size at the top level only sometimes.
-        if text_json.get("vocab_size").is_none() {
-            if let Some(n) = f.opt_usize("vocab_size")? {
-                text.vocab_size = n;
-            }
+        if text_json.get("vocab_size").is_none()
+            && let Some(n) = f.opt_usize("vocab_size")?
+        {
+            text.vocab_size = n;
         }
         let vision = ClipVisionConfig::from_json(&vision_json)?;
         let vision_feature_layer = match f.get("vision_feature_layer") {
             None => -2,
-            Some(Value::Number(n)) => n
-                .as_i64()
-                .ok_or_else(|| format!("config.vision_feature_layer must be an integer, got {n}"))?,
+            Some(Value::Number(n)) => {
+                n.as_i64().ok_or_else(|| format!("config.vision_feature_layer must be an integer, got {n}"))?
+            }
             Some(other) => {
-                return Err(format!(
-                    "config.vision_feature_layer {other} is not supported (a single layer index is)"
-                ));
+                return Err(format!("config.vision_feature_layer {other} is not supported (a single layer index is)"));
             }
         };
         let layers = vision.num_hidden_layers as i64;

@@ -46,10 +46,7 @@ fn field<'a>(cfg: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 }
 
 fn flag(cfg: &Map<String, Value>, key: &str) -> Result<bool, MediaError> {
-    field(cfg, key).map_or(Ok(true), |v| {
-        v.as_bool()
-            .ok_or_else(|| bad(format!("`{key}` must be a boolean")))
-    })
+    field(cfg, key).map_or(Ok(true), |v| v.as_bool().ok_or_else(|| bad(format!("`{key}` must be a boolean"))))
 }
 
 fn side(v: &Value, what: &str) -> Result<u32, MediaError> {
@@ -62,10 +59,7 @@ fn side(v: &Value, what: &str) -> Result<u32, MediaError> {
 /// `{"height": h, "width": w}` (exactly those keys), or `None` for another object.
 fn height_width(m: &Map<String, Value>, key: &str) -> Result<Option<(u32, u32)>, MediaError> {
     match (m.get("height"), m.get("width"), m.len()) {
-        (Some(h), Some(w), 2) => Ok(Some((
-            side(h, &format!("{key}.height"))?,
-            side(w, &format!("{key}.width"))?,
-        ))),
+        (Some(h), Some(w), 2) => Ok(Some((side(h, &format!("{key}.height"))?, side(w, &format!("{key}.width"))?))),
         _ => Ok(None),
     }
 }
@@ -90,17 +84,12 @@ fn parse_size(v: &Value) -> Result<Resize, MediaError> {
 fn parse_crop(v: &Value) -> Result<(u32, u32), MediaError> {
     match v {
         Value::Number(_) => side(v, "crop_size").map(|n| (n, n)),
-        Value::Object(m) => height_width(m, "crop_size")?
-            .ok_or_else(|| bad(format!("unsupported `crop_size`: {v}"))),
+        Value::Object(m) => height_width(m, "crop_size")?.ok_or_else(|| bad(format!("unsupported `crop_size`: {v}"))),
         _ => Err(bad(format!("unsupported `crop_size`: {v}"))),
     }
 }
 
-fn parse_triple(
-    cfg: &Map<String, Value>,
-    key: &str,
-    default: [f64; 3],
-) -> Result<[f32; 3], MediaError> {
+fn parse_triple(cfg: &Map<String, Value>, key: &str, default: [f64; 3]) -> Result<[f32; 3], MediaError> {
     let err = || bad(format!("`{key}` must be a number or a list of 3 numbers"));
     let Some(v) = field(cfg, key) else {
         return Ok(default.map(|x| x as f32));
@@ -130,15 +119,11 @@ impl ClipImageProcessor {
     /// Reads a `preprocessor_config.json`. Missing fields take `CLIPImageProcessor`'s
     /// defaults (224 shortest edge, 224×224 crop, 1/255, OpenAI CLIP mean and std).
     pub fn from_json(cfg: &Value) -> Result<Self, MediaError> {
-        let cfg = cfg
-            .as_object()
-            .ok_or_else(|| bad("the config must be a JSON object"))?;
+        let cfg = cfg.as_object().ok_or_else(|| bad("the config must be a JSON object"))?;
         if let Some(t) = field(cfg, "image_processor_type") {
             let t = t.as_str().unwrap_or_default();
             if !t.starts_with("CLIPImageProcessor") {
-                return Err(bad(format!(
-                    "image processor type {t:?} is not supported (only CLIPImageProcessor)"
-                )));
+                return Err(bad(format!("image processor type {t:?} is not supported (only CLIPImageProcessor)")));
             }
         }
         let resample = field(cfg, "resample").map_or(Some(PIL_BICUBIC), Value::as_u64);
@@ -164,10 +149,7 @@ impl ClipImageProcessor {
         let rescale = match flag(cfg, "do_rescale")? {
             true => {
                 let f = field(cfg, "rescale_factor").map_or(Some(1.0 / 255.0), Value::as_f64);
-                Some(
-                    f.filter(|f| f.is_finite())
-                        .ok_or_else(|| bad("`rescale_factor` must be a number"))?,
-                )
+                Some(f.filter(|f| f.is_finite()).ok_or_else(|| bad("`rescale_factor` must be a number"))?)
             }
             false => None,
         };
@@ -176,34 +158,19 @@ impl ClipImageProcessor {
                 let mean = parse_triple(cfg, "image_mean", OPENAI_CLIP_MEAN)?;
                 let std = parse_triple(cfg, "image_std", OPENAI_CLIP_STD)?;
                 if std.contains(&0.0) || mean.iter().chain(&std).any(|x| !x.is_finite()) {
-                    return Err(bad(
-                        "`image_mean` and `image_std` must be finite, and `image_std` non-zero",
-                    ));
+                    return Err(bad("`image_mean` and `image_std` must be finite, and `image_std` non-zero"));
                 }
                 Some((mean, std))
             }
             false => None,
         };
-        Ok(Self {
-            resize,
-            crop,
-            rescale,
-            normalize,
-            convert_rgb: flag(cfg, "do_convert_rgb")?,
-        })
+        Ok(Self { resize, crop, rescale, normalize, convert_rgb: flag(cfg, "do_convert_rgb")? })
     }
 
     /// `(height, width)` of every output image.
     pub fn output_size(&self) -> (usize, usize) {
         match (self.crop, self.resize) {
-            (Some((h, w)), _)
-            | (
-                None,
-                Some(Resize::Exact {
-                    height: h,
-                    width: w,
-                }),
-            ) => (h as usize, w as usize),
+            (Some((h, w)), _) | (None, Some(Resize::Exact { height: h, width: w })) => (h as usize, w as usize),
             _ => unreachable!("from_json ensures a fixed output size"),
         }
     }
@@ -219,9 +186,7 @@ impl ClipImageProcessor {
         };
         let crop = self.crop.map_or("none".into(), |(h, w)| format!("{h}x{w}"));
         let rescale = self.rescale.map_or("none".into(), |f| format!("{f:?}"));
-        let normalize = self
-            .normalize
-            .map_or("none".into(), |(m, s)| format!("mean{m:?}std{s:?}"));
+        let normalize = self.normalize.map_or("none".into(), |(m, s)| format!("mean{m:?}std{s:?}"));
         format!(
             "clip-pil-v1;convert_rgb={};resize={resize};resample=bicubic;crop={crop};rescale={rescale};normalize={normalize}",
             self.convert_rgb
@@ -242,11 +207,7 @@ impl ClipImageProcessor {
             Some(Resize::ShortestEdge(n)) => {
                 let (short, long) = (in_w.min(in_h), in_w.max(in_h));
                 let new_long = ((u64::from(n) * u64::from(long)) as f64 / f64::from(short)) as u64;
-                if in_w <= in_h {
-                    (new_long, u64::from(n))
-                } else {
-                    (u64::from(n), new_long)
-                }
+                if in_w <= in_h { (new_long, u64::from(n)) } else { (u64::from(n), new_long) }
             }
         };
         if rh > MAX_SIDE || rw > MAX_SIDE {
@@ -260,9 +221,7 @@ impl ClipImageProcessor {
         let (ch, cw) = self.crop.unwrap_or((rh as u32, rw as u32));
         let (top, left) = (crop_offset(rh, ch), crop_offset(rw, cw));
         // The part of the crop that lies inside the resized image.
-        let clamp = |off: i64, len: u32, full: u64| {
-            off.max(0) as u32..(off + i64::from(len)).min(full as i64) as u32
-        };
+        let clamp = |off: i64, len: u32, full: u64| off.max(0) as u32..(off + i64::from(len)).min(full as i64) as u32;
         let (rows, cols) = (clamp(top, ch, rh), clamp(left, cw, rw));
         let window = resize_bicubic_window(img, rw as u32, rh as u32, cols.clone(), rows.clone());
 
@@ -280,13 +239,8 @@ impl ClipImageProcessor {
             })
         });
         let (ch, cw) = (ch as usize, cw as usize);
-        let mut out: Vec<f32> = (0..3)
-            .flat_map(|c| std::iter::repeat_n(lut[c][0], ch * cw))
-            .collect();
-        let (y0, x0) = (
-            (i64::from(rows.start) - top) as usize,
-            (i64::from(cols.start) - left) as usize,
-        );
+        let mut out: Vec<f32> = (0..3).flat_map(|c| std::iter::repeat_n(lut[c][0], ch * cw)).collect();
+        let (y0, x0) = ((i64::from(rows.start) - top) as usize, (i64::from(cols.start) - left) as usize);
         for (x, y, px) in window.enumerate_pixels() {
             let (y, x) = (y0 + y as usize, x0 + x as usize);
             for c in 0..3 {

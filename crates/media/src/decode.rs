@@ -30,9 +30,7 @@ pub struct ImageLimits {
 impl Default for ImageLimits {
     /// PIL's decompression-bomb error threshold (2 × 89,478,485 pixels).
     fn default() -> Self {
-        Self {
-            max_pixels: 178_956_970,
-        }
+        Self { max_pixels: 178_956_970 }
     }
 }
 
@@ -45,9 +43,7 @@ fn reader(bytes: &[u8]) -> Result<ImageReader<Cursor<&[u8]>>, MediaError> {
         .map_err(|e| MediaError::Undecodable(e.to_string()))?;
     match reader.format() {
         None => Err(MediaError::Undecodable("unrecognised image format".into())),
-        Some(f) if !f.reading_enabled() => {
-            Err(MediaError::UnsupportedFormat(f.to_mime_type().into()))
-        }
+        Some(f) if !f.reading_enabled() => Err(MediaError::UnsupportedFormat(f.to_mime_type().into())),
         Some(_) => Ok(reader),
     }
 }
@@ -64,11 +60,7 @@ fn check(width: u32, height: u32, limits: &ImageLimits) -> Result<(), MediaError
         return Err(MediaError::ZeroSized);
     }
     if u64::from(width) * u64::from(height) > limits.max_pixels {
-        return Err(MediaError::TooLarge {
-            width,
-            height,
-            max_pixels: limits.max_pixels,
-        });
+        return Err(MediaError::TooLarge { width, height, max_pixels: limits.max_pixels });
     }
     Ok(())
 }
@@ -101,12 +93,7 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, Medi
 
 /// PIL's `convert("RGB")` for the pixel layouts the decoders produce.
 fn to_rgb8(img: DynamicImage) -> RgbImage {
-    fn map16<const N: usize>(
-        w: u32,
-        h: u32,
-        raw: &[u16],
-        f: impl Fn(&[u16]) -> [u8; 3],
-    ) -> RgbImage {
+    fn map16<const N: usize>(w: u32, h: u32, raw: &[u16], f: impl Fn(&[u16]) -> [u8; 3]) -> RgbImage {
         RgbImage::from_fn(w, h, |x, y| {
             let i = (y as usize * w as usize + x as usize) * N;
             Rgb(f(&raw[i..i + N]))
@@ -117,12 +104,8 @@ fn to_rgb8(img: DynamicImage) -> RgbImage {
         DynamicImage::ImageRgb8(img) => img,
         DynamicImage::ImageLuma16(b) => map16::<1>(w, h, b.as_raw(), |p| [p[0].min(255) as u8; 3]),
         DynamicImage::ImageLumaA16(b) => map16::<2>(w, h, b.as_raw(), |p| [(p[0] >> 8) as u8; 3]),
-        DynamicImage::ImageRgb16(b) => map16::<3>(w, h, b.as_raw(), |p| {
-            [p[0], p[1], p[2]].map(|v| (v >> 8) as u8)
-        }),
-        DynamicImage::ImageRgba16(b) => map16::<4>(w, h, b.as_raw(), |p| {
-            [p[0], p[1], p[2]].map(|v| (v >> 8) as u8)
-        }),
+        DynamicImage::ImageRgb16(b) => map16::<3>(w, h, b.as_raw(), |p| [p[0], p[1], p[2]].map(|v| (v >> 8) as u8)),
+        DynamicImage::ImageRgba16(b) => map16::<4>(w, h, b.as_raw(), |p| [p[0], p[1], p[2]].map(|v| (v >> 8) as u8)),
         // 8-bit grey, grey+alpha and RGBA: the image crate replicates grey and drops alpha.
         img => img.into_rgb8(),
     }

@@ -11,14 +11,8 @@ pub enum MediaError {
     #[error("unsupported image format: {0}")]
     UnsupportedFormat(String),
     /// The header announces more pixels than allowed; nothing was decoded.
-    #[error(
-        "the image is too large: {width}x{height} pixels exceeds the limit of {max_pixels} pixels"
-    )]
-    TooLarge {
-        width: u32,
-        height: u32,
-        max_pixels: u64,
-    },
+    #[error("the image is too large: {width}x{height} pixels exceeds the limit of {max_pixels} pixels")]
+    TooLarge { width: u32, height: u32, max_pixels: u64 },
     /// The image has no pixels.
     #[error("the image has zero width or height")]
     ZeroSized,
@@ -26,12 +20,7 @@ pub enum MediaError {
     #[error(
         "the image's aspect ratio is too extreme: {width}x{height} pixels would have to be resized to {resized_width}x{resized_height}"
     )]
-    ExtremeAspectRatio {
-        width: u32,
-        height: u32,
-        resized_width: u64,
-        resized_height: u64,
-    },
+    ExtremeAspectRatio { width: u32, height: u32, resized_width: u64, resized_height: u64 },
     /// `preprocessor_config.json` holds something this crate does not implement or that is invalid.
     #[error("bad image preprocessor config: {0}")]
     BadConfig(String),

@@ -51,25 +51,16 @@ fn taps(in_size: u32, out_size: u32, out: Range<u32>) -> Vec<Taps> {
         // C's (int) truncates toward zero.
         let xmin = ((center - support + 0.5) as i64).max(0);
         let xmax = ((center + support + 0.5) as i64).min(i64::from(in_size));
-        let raw: Vec<f64> = (xmin..xmax.max(xmin))
-            .map(|x| bicubic((x as f64 - center + 0.5) * ss))
-            .collect();
+        let raw: Vec<f64> = (xmin..xmax.max(xmin)).map(|x| bicubic((x as f64 - center + 0.5) * ss)).collect();
         let ww: f64 = raw.iter().sum();
         let weights = raw
             .iter()
             .map(|&w| {
                 let w = if ww != 0.0 { w / ww } else { w };
-                if w < 0.0 {
-                    (-0.5 + w * one) as i32
-                } else {
-                    (0.5 + w * one) as i32
-                }
+                if w < 0.0 { (-0.5 + w * one) as i32 } else { (0.5 + w * one) as i32 }
             })
             .collect();
-        Taps {
-            first: xmin as usize,
-            weights,
-        }
+        Taps { first: xmin as usize, weights }
     })
     .collect()
 }
@@ -81,13 +72,7 @@ fn clip8(acc: i32) -> u8 {
 /// Applies `taps` along one axis of an interleaved RGB buffer holding `lines` lines,
 /// where sample `i` of line `l` is pixel `i * stride + l * line_stride`. Returns, per
 /// line, one RGB value per tap set.
-fn convolve(
-    src: &[u8],
-    stride: usize,
-    line_stride: usize,
-    taps: &[Taps],
-    lines: usize,
-) -> Vec<Vec<[u8; 3]>> {
+fn convolve(src: &[u8], stride: usize, line_stride: usize, taps: &[Taps], lines: usize) -> Vec<Vec<[u8; 3]>> {
     (0..lines)
         .map(|line| {
             taps.iter()
@@ -117,13 +102,7 @@ pub fn resize_bicubic(img: &RgbImage, width: u32, height: u32) -> RgbImage {
 ///
 /// # Panics
 /// If the window is not inside `0..width × 0..height`.
-pub fn resize_bicubic_window(
-    img: &RgbImage,
-    width: u32,
-    height: u32,
-    cols: Range<u32>,
-    rows: Range<u32>,
-) -> RgbImage {
+pub fn resize_bicubic_window(img: &RgbImage, width: u32, height: u32, cols: Range<u32>, rows: Range<u32>) -> RgbImage {
     assert!(
         cols.start <= cols.end && cols.end <= width && rows.start <= rows.end && rows.end <= height,
         "window {cols:?}x{rows:?} outside {width}x{height}"
@@ -135,21 +114,12 @@ pub fn resize_bicubic_window(
     }
     // Vertical taps, and the band of input rows they read.
     let v_taps = if height == in_h {
-        rows.clone()
-            .map(|y| Taps {
-                first: y as usize,
-                weights: vec![1 << PRECISION_BITS],
-            })
-            .collect()
+        rows.clone().map(|y| Taps { first: y as usize, weights: vec![1 << PRECISION_BITS] }).collect()
     } else {
         taps(in_h, height, rows)
     };
     let band_start = v_taps.iter().map(|t| t.first).min().unwrap_or(0);
-    let band_end = v_taps
-        .iter()
-        .map(|t| t.first + t.weights.len())
-        .max()
-        .unwrap_or(0);
+    let band_end = v_taps.iter().map(|t| t.first + t.weights.len()).max().unwrap_or(0);
     let band_h = band_end.saturating_sub(band_start);
     let band = &img.as_raw()[band_start * in_w as usize * 3..band_end * in_w as usize * 3];
 
@@ -158,18 +128,12 @@ pub fn resize_bicubic_window(
         (0..band_h)
             .flat_map(|y| {
                 let row = y * in_w as usize * 3;
-                band[row + cols.start as usize * 3..row + cols.end as usize * 3]
-                    .iter()
-                    .copied()
+                band[row + cols.start as usize * 3..row + cols.end as usize * 3].iter().copied()
             })
             .collect()
     } else {
         let h_taps = taps(in_w, width, cols);
-        convolve(band, 1, in_w as usize, &h_taps, band_h)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .collect()
+        convolve(band, 1, in_w as usize, &h_taps, band_h).into_iter().flatten().flatten().collect()
     };
 
     // Vertical pass: each column of `mid` is a line.
@@ -178,13 +142,7 @@ pub fn resize_bicubic_window(
         out.copy_from_slice(&mid);
         return out;
     }
-    let v_taps: Vec<Taps> = v_taps
-        .into_iter()
-        .map(|t| Taps {
-            first: t.first - band_start,
-            ..t
-        })
-        .collect();
+    let v_taps: Vec<Taps> = v_taps.into_iter().map(|t| Taps { first: t.first - band_start, ..t }).collect();
     let columns = convolve(&mid, out_w, 1, &v_taps, out_w);
     for (x, column) in columns.iter().enumerate() {
         for (y, px) in column.iter().enumerate() {
@@ -201,13 +159,7 @@ mod tests {
     use super::*;
 
     fn pattern(w: u32, h: u32) -> RgbImage {
-        RgbImage::from_fn(w, h, |x, y| {
-            Rgb([
-                (x * 37 + y * 11) as u8,
-                (x * x + 3 * y) as u8,
-                ((x ^ y) * 29) as u8,
-            ])
-        })
+        RgbImage::from_fn(w, h, |x, y| Rgb([(x * 37 + y * 11) as u8, (x * x + 3 * y) as u8, ((x ^ y) * 29) as u8]))
     }
 
     #[test]
@@ -249,20 +201,10 @@ mod tests {
         let img = pattern(23, 11);
         for (w, h) in [(23, 11), (7, 5), (50, 11), (23, 30), (61, 3)] {
             let full = resize_bicubic(&img, w, h);
-            for (cols, rows) in [
-                (0..w, 0..h),
-                (1..w - 1, h / 2..h),
-                (w / 3..w / 3 + 1, 0..1),
-                (2..2, 0..h),
-            ] {
+            for (cols, rows) in [(0..w, 0..h), (1..w - 1, h / 2..h), (w / 3..w / 3 + 1, 0..1), (2..2, 0..h)] {
                 let win = resize_bicubic_window(&img, w, h, cols.clone(), rows.clone());
-                let crop = image::imageops::crop_imm(
-                    &full,
-                    cols.start,
-                    rows.start,
-                    cols.len() as u32,
-                    rows.len() as u32,
-                );
+                let crop =
+                    image::imageops::crop_imm(&full, cols.start, rows.start, cols.len() as u32, rows.len() as u32);
                 assert_eq!(win, crop.to_image(), "{w}x{h} {cols:?} {rows:?}");
             }
         }

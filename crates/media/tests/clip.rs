@@ -11,13 +11,7 @@ fn clip(size: Value, crop: Value) -> ClipImageProcessor {
 }
 
 fn pattern(w: u32, h: u32) -> RgbImage {
-    RgbImage::from_fn(w, h, |x, y| {
-        Rgb([
-            (x * 7 + y * 3) as u8,
-            (x * y) as u8,
-            (x + 2 * y).wrapping_neg() as u8,
-        ])
-    })
+    RgbImage::from_fn(w, h, |x, y| Rgb([(x * 7 + y * 3) as u8, (x * y) as u8, (x + 2 * y).wrapping_neg() as u8]))
 }
 
 /// The straightforward way: full resize, crop with zero padding, rescale, normalise.
@@ -35,11 +29,7 @@ fn naive(img: &RgbImage, (rw, rh): (u32, u32), (cw, ch): (u32, u32)) -> Vec<f32>
             for x in 0..i64::from(cw) {
                 let (sy, sx) = (y + top, x + left);
                 let inside = (0..i64::from(rh)).contains(&sy) && (0..i64::from(rw)).contains(&sx);
-                let level = if inside {
-                    full.get_pixel(sx as u32, sy as u32)[c]
-                } else {
-                    0
-                };
+                let level = if inside { full.get_pixel(sx as u32, sy as u32)[c] } else { 0 };
                 out.push(((f64::from(level) * (1.0 / 255.0)) as f32 - mean[c]) / std[c]);
             }
         }
@@ -51,23 +41,14 @@ fn naive(img: &RgbImage, (rw, rh): (u32, u32), (cw, ch): (u32, u32)) -> Vec<f32>
 fn defaults_are_clip_224() {
     let p = ClipImageProcessor::from_json(&json!({})).unwrap();
     assert_eq!(p.output_size(), (224, 224));
-    assert_eq!(
-        p,
-        clip(
-            json!({"shortest_edge": 224}),
-            json!({"height": 224, "width": 224})
-        )
-    );
+    assert_eq!(p, clip(json!({"shortest_edge": 224}), json!({"height": 224, "width": 224})));
     assert_eq!(p, clip(json!(224), json!(224)));
 }
 
 #[test]
 fn elongated_image_crop_window_is_exact() {
     // 3×400: the full resize would be 8×1066; only the 8×8 centre is computed.
-    let p = clip(
-        json!({"shortest_edge": 8}),
-        json!({"height": 8, "width": 8}),
-    );
+    let p = clip(json!({"shortest_edge": 8}), json!({"height": 8, "width": 8}));
     let img = pattern(3, 400);
     assert_eq!(p.preprocess(&img).unwrap(), naive(&img, (8, 1066), (8, 8)));
     let img = pattern(401, 5);
@@ -85,10 +66,7 @@ fn very_elongated_image_is_cheap() {
 
 #[test]
 fn crop_larger_than_image_pads_with_zero() {
-    let p = clip(
-        json!({"height": 5, "width": 9}),
-        json!({"height": 8, "width": 6}),
-    );
+    let p = clip(json!({"height": 5, "width": 9}), json!({"height": 8, "width": 6}));
     let img = pattern(13, 7);
     let out = p.preprocess(&img).unwrap();
     assert_eq!(out, naive(&img, (9, 5), (6, 8)));
@@ -133,18 +111,14 @@ fn bad_configs_refused() {
         let err = ClipImageProcessor::from_json(&cfg).unwrap_err();
         assert!(matches!(err, MediaError::BadConfig(_)), "{cfg}: {err:?}");
     }
-    let p = ClipImageProcessor::from_json(
-        &json!({"do_center_crop": false, "size": {"height": 3, "width": 4}}),
-    )
-    .unwrap();
+    let p =
+        ClipImageProcessor::from_json(&json!({"do_center_crop": false, "size": {"height": 3, "width": 4}})).unwrap();
     assert_eq!(p.output_size(), (3, 4));
 }
 
 #[test]
 fn zero_sized_image_refused() {
-    let err = clip(json!(4), json!(4))
-        .preprocess(&RgbImage::new(0, 3))
-        .unwrap_err();
+    let err = clip(json!(4), json!(4)).preprocess(&RgbImage::new(0, 3)).unwrap_err();
     assert_eq!(err, MediaError::ZeroSized);
 }
 
@@ -171,13 +145,8 @@ fn fingerprint_is_canonical() {
     let mut seen = std::collections::HashSet::from([a.fingerprint()]);
     for v in variants {
         let mut cfg = json!({"size": {"shortest_edge": 336}, "crop_size": 336});
-        cfg.as_object_mut()
-            .unwrap()
-            .extend(v.as_object().unwrap().clone());
+        cfg.as_object_mut().unwrap().extend(v.as_object().unwrap().clone());
         let fp = ClipImageProcessor::from_json(&cfg).unwrap().fingerprint();
-        assert!(
-            seen.insert(fp.clone()),
-            "{cfg} gives a duplicate fingerprint {fp}"
-        );
+        assert!(seen.insert(fp.clone()), "{cfg} gives a duplicate fingerprint {fp}");
     }
 }

@@ -52,29 +52,12 @@ fn huge_header_refused_before_decoding() {
     let png = png_header_only(100_000, 100_000);
     assert_eq!(image_dimensions(&png).unwrap(), (100_000, 100_000));
     let err = decode_image(&png, &ImageLimits::default()).unwrap_err();
-    assert_eq!(
-        err,
-        MediaError::TooLarge {
-            width: 100_000,
-            height: 100_000,
-            max_pixels: 178_956_970
-        }
-    );
+    assert_eq!(err, MediaError::TooLarge { width: 100_000, height: 100_000, max_pixels: 178_956_970 });
     assert!(err.to_string().contains("100000x100000"), "{err}");
     // A small limit applies too.
     let small = encode(Rgb::<u8>([1, 2, 3]).to_image(20, 10), ImageFormat::Png);
     let err = decode_image(&small, &ImageLimits { max_pixels: 199 }).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            MediaError::TooLarge {
-                width: 20,
-                height: 10,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert!(matches!(err, MediaError::TooLarge { width: 20, height: 10, .. }), "{err:?}");
     assert!(decode_image(&small, &ImageLimits { max_pixels: 200 }).is_ok());
 }
 
@@ -118,14 +101,8 @@ fn zero_sized_refused() {
 
 #[test]
 fn alpha_dropped_not_composited() {
-    let rgba = ImageBuffer::from_fn(3, 2, |x, y| {
-        Rgba([x as u8 * 50, y as u8 * 60, 7, (x * 100) as u8])
-    });
-    let img = decode_image(
-        &encode(rgba.clone(), ImageFormat::Png),
-        &ImageLimits::default(),
-    )
-    .unwrap();
+    let rgba = ImageBuffer::from_fn(3, 2, |x, y| Rgba([x as u8 * 50, y as u8 * 60, 7, (x * 100) as u8]));
+    let img = decode_image(&encode(rgba.clone(), ImageFormat::Png), &ImageLimits::default()).unwrap();
     for (x, y, p) in img.enumerate_pixels() {
         let q = rgba.get_pixel(x, y);
         assert_eq!(p.0, [q[0], q[1], q[2]]);
@@ -135,20 +112,12 @@ fn alpha_dropped_not_composited() {
 #[test]
 fn grey_replicated() {
     let grey = ImageBuffer::from_fn(4, 3, |x, y| Luma([(x * 40 + y) as u8]));
-    let img = decode_image(
-        &encode(grey.clone(), ImageFormat::Png),
-        &ImageLimits::default(),
-    )
-    .unwrap();
+    let img = decode_image(&encode(grey.clone(), ImageFormat::Png), &ImageLimits::default()).unwrap();
     for (x, y, p) in img.enumerate_pixels() {
         assert_eq!(p.0, [grey.get_pixel(x, y)[0]; 3]);
     }
     let grey_alpha = ImageBuffer::from_fn(4, 3, |x, _| LumaA([(x * 40) as u8, 0]));
-    let img = decode_image(
-        &encode(grey_alpha, ImageFormat::Png),
-        &ImageLimits::default(),
-    )
-    .unwrap();
+    let img = decode_image(&encode(grey_alpha, ImageFormat::Png), &ImageLimits::default()).unwrap();
     assert_eq!(img.get_pixel(3, 2).0, [120; 3]);
 }
 
@@ -172,10 +141,5 @@ fn other_formats_decode() {
     }
     let jpeg = encode(src.clone(), ImageFormat::Jpeg);
     assert_eq!(image_dimensions(&jpeg).unwrap(), (5, 4));
-    assert_eq!(
-        decode_image(&jpeg, &ImageLimits::default())
-            .unwrap()
-            .dimensions(),
-        (5, 4)
-    );
+    assert_eq!(decode_image(&jpeg, &ImageLimits::default()).unwrap().dimensions(), (5, 4));
 }

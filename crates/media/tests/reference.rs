@@ -20,18 +20,12 @@ fn tensor<'a>(st: &'a SafeTensors, name: &str, dtype: Dtype, shape: &[usize]) ->
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 const LLAVA: &str = "../../assets/models/llava-tiny";
@@ -40,11 +34,7 @@ const LLAVA: &str = "../../assets/models/llava-tiny";
 fn llava_decode_matches_pil() {
     let st_bytes = read(&format!("{LLAVA}/reference.safetensors"));
     let st = SafeTensors::deserialize(&st_bytes).unwrap();
-    let img = decode_image(
-        &read(&format!("{LLAVA}/input.png")),
-        &ImageLimits::default(),
-    )
-    .unwrap();
+    let img = decode_image(&read(&format!("{LLAVA}/input.png")), &ImageLimits::default()).unwrap();
     assert_eq!(img.dimensions(), (80, 64));
     assert!(img.as_raw() == tensor(&st, "image_rgb_u8", Dtype::U8, &[64, 80, 3]));
 }
@@ -53,15 +43,10 @@ fn llava_decode_matches_pil() {
 fn llava_pixel_values_match_transformers() {
     let st_bytes = read(&format!("{LLAVA}/reference.safetensors"));
     let st = SafeTensors::deserialize(&st_bytes).unwrap();
-    let cfg: serde_json::Value =
-        serde_json::from_slice(&read(&format!("{LLAVA}/preprocessor_config.json"))).unwrap();
+    let cfg: serde_json::Value = serde_json::from_slice(&read(&format!("{LLAVA}/preprocessor_config.json"))).unwrap();
     let proc = ClipImageProcessor::from_json(&cfg).unwrap();
     assert_eq!(proc.output_size(), (56, 56));
-    let img = decode_image(
-        &read(&format!("{LLAVA}/input.png")),
-        &ImageLimits::default(),
-    )
-    .unwrap();
+    let img = decode_image(&read(&format!("{LLAVA}/input.png")), &ImageLimits::default()).unwrap();
     let ours = proc.preprocess(&img).unwrap();
     let theirs = f32s(tensor(&st, "pixel_values", Dtype::F32, &[1, 3, 56, 56]));
     let err = max_abs_diff(&ours, &theirs);
@@ -75,17 +60,10 @@ fn llava_pixel_values_match_transformers() {
 fn qwen2_vl_upscale_matches_transformers() {
     let st_bytes = read("tests/data/qwen2_vl_reference_subset.safetensors");
     let st = SafeTensors::deserialize(&st_bytes).unwrap();
-    let img = decode_image(
-        &read("tests/data/qwen2_vl_input.png"),
-        &ImageLimits::default(),
-    )
-    .unwrap();
+    let img = decode_image(&read("tests/data/qwen2_vl_input.png"), &ImageLimits::default()).unwrap();
     assert!(img.as_raw() == tensor(&st, "image_rgb_u8", Dtype::U8, &[80, 100, 3]));
     let thw = tensor(&st, "image_grid_thw", Dtype::I64, &[1, 3]);
-    let thw: Vec<i64> = thw
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let thw: Vec<i64> = thw.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
     assert_eq!(thw, [1, 6, 8]);
 
     let resized: RgbImage = resize_bicubic(&img, 112, 84);

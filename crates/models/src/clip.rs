@@ -44,16 +44,9 @@ impl Attention {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, n, d) = x.dims3()?;
         let heads = |proj: &Linear| {
-            proj.forward(x)?
-                .reshape((b, n, self.num_heads, d / self.num_heads))?
-                .transpose(1, 2)?
-                .contiguous()
+            proj.forward(x)?.reshape((b, n, self.num_heads, d / self.num_heads))?.transpose(1, 2)?.contiguous()
         };
-        let (q, k, v) = (
-            heads(&self.q_proj)?,
-            heads(&self.k_proj)?,
-            heads(&self.v_proj)?,
-        );
+        let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
         let scores = (q.matmul(&k.t()?)? * self.scale)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?;
         let out = probs.to_dtype(v.dtype())?.matmul(&v)?;
@@ -106,11 +99,7 @@ pub struct ClipVisionTower {
 impl ClipVisionTower {
     /// Loads the embeddings, `pre_layrnorm` and encoder layers `0..num_layers`
     /// (at most `cfg.num_hidden_layers`): enough to produce hidden states `0..=num_layers`.
-    pub fn load(
-        weights: &Weights,
-        cfg: &ClipVisionConfig,
-        num_layers: usize,
-    ) -> Result<Self, ModelError> {
+    pub fn load(weights: &Weights, cfg: &ClipVisionConfig, num_layers: usize) -> Result<Self, ModelError> {
         if num_layers > cfg.num_hidden_layers {
             return Err(ModelError::InvalidInput(format!(
                 "asked for {num_layers} CLIP layers, the config has {}",
@@ -150,11 +139,7 @@ impl ClipVisionTower {
     }
 
     /// Hidden states `0..=last`, as transformers' `output_hidden_states` returns them.
-    pub fn hidden_states(
-        &self,
-        pixel_values: &Tensor,
-        last: usize,
-    ) -> Result<Vec<Tensor>, ModelError> {
+    pub fn hidden_states(&self, pixel_values: &Tensor, last: usize) -> Result<Vec<Tensor>, ModelError> {
         let mut states = Vec::with_capacity(last + 1);
         let final_state = self.run(pixel_values, last, Some(&mut states))?;
         states.push(final_state);
@@ -196,14 +181,8 @@ impl ClipVisionTower {
             )));
         }
         let x = pixel_values.to_dtype(self.patch_embedding.dtype())?;
-        let patches = x
-            .conv2d(&self.patch_embedding, 0, cfg.patch_size, 1, 1)?
-            .flatten_from(2)?
-            .transpose(1, 2)?;
-        let cls = self
-            .class_embedding
-            .reshape((1, 1, cfg.hidden_size))?
-            .broadcast_as((b, 1, cfg.hidden_size))?;
+        let patches = x.conv2d(&self.patch_embedding, 0, cfg.patch_size, 1, 1)?.flatten_from(2)?.transpose(1, 2)?;
+        let cls = self.class_embedding.reshape((1, 1, cfg.hidden_size))?.broadcast_as((b, 1, cfg.hidden_size))?;
         let x = Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.position_embedding)?;
         Ok(self.pre_layrnorm.forward(&x)?)
     }

@@ -13,11 +13,7 @@ pub enum ModelError {
     #[error("tensor {0:?} is missing from the checkpoint")]
     MissingTensor(String),
     #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
-    ShapeMismatch {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
+    ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
     #[error("unsupported model setting: {0}")]
     Unsupported(String),
     #[error("invalid input: {0}")]

@@ -41,12 +41,7 @@ impl KvCache {
 
     /// Keys and values of `layer` after appending `k`, `v` [kv_heads, n, head_dim].
     /// `len` moves only when the whole forward step succeeded.
-    fn append(
-        &mut self,
-        layer: usize,
-        k: Tensor,
-        v: Tensor,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
+    fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let kv = match &self.layers[layer] {
             None => (k, v),
             Some((k0, v0)) => (Tensor::cat(&[k0, &k], 1)?, Tensor::cat(&[v0, &v], 1)?),
@@ -131,10 +126,7 @@ impl Attention {
             let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
             let scores = if n > 1 {
                 let mask = causal_mask(n, past, x.device())?;
-                scores
-                    .reshape((nkv, groups, n, total))?
-                    .broadcast_add(&mask)?
-                    .reshape((nkv, groups * n, total))?
+                scores.reshape((nkv, groups, n, total))?.broadcast_add(&mask)?.reshape((nkv, groups * n, total))?
             } else {
                 scores
             };
@@ -150,17 +142,8 @@ impl Attention {
 /// [n, past + n]: 0 where query i (position past + i) may see key j, -inf elsewhere.
 fn causal_mask(n: usize, past: usize, device: &Device) -> candle_core::Result<Tensor> {
     let total = past + n;
-    let mask: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            (0..total).map(move |j| {
-                if j <= past + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
+    let mask: Vec<f32> =
+        (0..n).flat_map(|i| (0..total).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY })).collect();
     Tensor::from_vec(mask, (n, total), device)
 }
 
@@ -214,16 +197,10 @@ impl Llama {
 
     pub fn from_weights(weights: &Weights, cfg: &LlamaConfig) -> Result<Self, ModelError> {
         if cfg.rope_type != "default" {
-            return Err(ModelError::Unsupported(format!(
-                "rope_type {:?}",
-                cfg.rope_type
-            )));
+            return Err(ModelError::Unsupported(format!("rope_type {:?}", cfg.rope_type)));
         }
         if !cfg.head_dim.is_multiple_of(2) {
-            return Err(ModelError::Unsupported(format!(
-                "odd head_dim {}",
-                cfg.head_dim
-            )));
+            return Err(ModelError::Unsupported(format!("odd head_dim {}", cfg.head_dim)));
         }
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let lm = weights.language_model();
@@ -246,9 +223,8 @@ impl Llama {
             Linear::new(embed_tokens.clone(), None)
         };
         let half = cfg.head_dim / 2;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32))
-            .collect();
+        let inv_freq: Vec<f32> =
+            (0..half).map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32)).collect();
         Ok(Llama {
             inv_freq: Tensor::from_vec(inv_freq, (1, half), weights.device())?,
             embed_tokens,
@@ -273,10 +249,7 @@ impl Llama {
 
     /// An empty cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache {
-            layers: vec![None; self.layers.len()],
-            len: 0,
-        }
+        KvCache { layers: vec![None; self.layers.len()], len: 0 }
     }
 
     /// Embedding rows for text token ids (ids < vocab_size): [n, hidden].
@@ -328,22 +301,15 @@ impl Llama {
             )));
         }
         if seqs.is_empty() || seqs.iter().any(|s| s.new_tokens == 0) {
-            return Err(ModelError::InvalidInput(
-                "every sequence needs a new token".into(),
-            ));
+            return Err(ModelError::InvalidInput("every sequence needs a new token".into()));
         }
         if seqs.iter().map(|s| s.new_tokens).sum::<usize>() != total {
             return Err(ModelError::InvalidInput(format!(
                 "new_tokens of the sequences do not add up to the {total} input rows"
             )));
         }
-        if seqs
-            .iter()
-            .any(|s| s.cache.layers.len() != self.layers.len())
-        {
-            return Err(ModelError::InvalidInput(
-                "KV cache made for another model".into(),
-            ));
+        if seqs.iter().any(|s| s.cache.layers.len() != self.layers.len()) {
+            return Err(ModelError::InvalidInput("KV cache made for another model".into()));
         }
         match self.run(input_embeds, seqs, all_rows) {
             Ok(hidden) => {
@@ -361,22 +327,12 @@ impl Llama {
         }
     }
 
-    fn run(
-        &self,
-        input_embeds: &Tensor,
-        seqs: &mut [SeqInput<'_>],
-        all_rows: bool,
-    ) -> candle_core::Result<Tensor> {
-        let positions: Vec<f32> = seqs
-            .iter()
-            .flat_map(|s| (s.cache.len..s.cache.len + s.new_tokens).map(|p| p as f32))
-            .collect();
+    fn run(&self, input_embeds: &Tensor, seqs: &mut [SeqInput<'_>], all_rows: bool) -> candle_core::Result<Tensor> {
+        let positions: Vec<f32> =
+            seqs.iter().flat_map(|s| (s.cache.len..s.cache.len + s.new_tokens).map(|p| p as f32)).collect();
         let positions = Tensor::from_vec(positions, (input_embeds.dim(0)?, 1), self.device())?;
         let angles = positions.broadcast_mul(&self.inv_freq)?;
-        let (cos, sin) = (
-            angles.cos()?.to_dtype(self.dtype())?,
-            angles.sin()?.to_dtype(self.dtype())?,
-        );
+        let (cos, sin) = (angles.cos()?.to_dtype(self.dtype())?, angles.sin()?.to_dtype(self.dtype())?);
 
         let mut x = input_embeds.to_dtype(self.dtype())?;
         for (i, layer) in self.layers.iter().enumerate() {

@@ -23,9 +23,7 @@ pub(crate) fn llava_config(dir: &ModelDir) -> Result<&LlavaConfig, ModelError> {
     match &dir.config {
         ModelConfig::Llava(cfg) => Ok(cfg),
         #[allow(unreachable_patterns)]
-        _ => Err(ModelError::Unsupported(
-            "not a LlavaForConditionalGeneration checkpoint".into(),
-        )),
+        _ => Err(ModelError::Unsupported("not a LlavaForConditionalGeneration checkpoint".into())),
     }
 }
 
@@ -51,11 +49,7 @@ impl LlavaVision {
         let feature_index = cfg.feature_hidden_state_index();
         let tower = ClipVisionTower::load(weights, &cfg.vision, feature_index)?;
         let proj = weights.projector();
-        let (v, t, bias) = (
-            cfg.vision.hidden_size,
-            cfg.text.hidden_size,
-            cfg.multimodal_projector_bias,
-        );
+        let (v, t, bias) = (cfg.vision.hidden_size, cfg.text.hidden_size, cfg.multimodal_projector_bias);
         Ok(LlavaVision {
             tower,
             feature_index,
@@ -124,10 +118,7 @@ pub fn merge_image_embeddings(
     }
     // Image positions get a placeholder id (0) for the text lookup, then pick their row
     // from the image block appended after the text rows.
-    let text_ids: Vec<u32> = ids
-        .iter()
-        .map(|&id| if id == image_token { 0 } else { id })
-        .collect();
+    let text_ids: Vec<u32> = ids.iter().map(|&id| if id == image_token { 0 } else { id }).collect();
     let text = llama.embed_tokens(&text_ids)?;
     let mut next_image = ids.len() as u32;
     let index: Vec<u32> = ids

@@ -186,36 +186,17 @@ impl Scope {
 
     /// A `nn.Linear(in_dim, out_dim, bias)` stored as `{name}.weight` [out, in] and
     /// `{name}.bias` [out].
-    pub(crate) fn linear(
-        &self,
-        name: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-    ) -> Result<Linear, ModelError> {
+    pub(crate) fn linear(&self, name: &str, in_dim: usize, out_dim: usize, bias: bool) -> Result<Linear, ModelError> {
         let s = self.pp(name);
         let weight = s.tensor("weight", (out_dim, in_dim))?;
-        let bias = if bias {
-            Some(s.tensor("bias", out_dim)?)
-        } else {
-            None
-        };
+        let bias = if bias { Some(s.tensor("bias", out_dim)?) } else { None };
         Ok(Linear::new(weight, bias))
     }
 
     /// An `nn.LayerNorm(dim)` with weight and bias.
-    pub(crate) fn layer_norm(
-        &self,
-        name: &str,
-        dim: usize,
-        eps: f64,
-    ) -> Result<LayerNorm, ModelError> {
+    pub(crate) fn layer_norm(&self, name: &str, dim: usize, eps: f64) -> Result<LayerNorm, ModelError> {
         let s = self.pp(name);
-        Ok(LayerNorm::new(
-            s.tensor("weight", dim)?,
-            s.tensor("bias", dim)?,
-            eps,
-        ))
+        Ok(LayerNorm::new(s.tensor("weight", dim)?, s.tensor("bias", dim)?, eps))
     }
 
     /// A Llama RMSNorm (weight only).

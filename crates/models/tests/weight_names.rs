@@ -17,8 +17,7 @@ struct TempModel(PathBuf);
 
 impl TempModel {
     fn new(name: &str, tensors: &HashMap<String, Tensor>) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("mmserve-models-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("mmserve-models-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
         candle_core::safetensors::save(tensors, dir.join("model.safetensors")).unwrap();
@@ -64,24 +63,12 @@ fn prompt_logits(dir: &Path) -> Tensor {
     let image = vision.encode(&r.tensor("pixel_values")).unwrap();
     let embeds = mmserve_models::merge_image_embeddings(&llama, &ids, 1000, &image).unwrap();
     let mut cache = llama.new_cache();
-    llama
-        .forward(
-            &embeds,
-            &mut [SeqInput {
-                new_tokens: ids.len(),
-                cache: &mut cache,
-            }],
-            true,
-        )
-        .unwrap()
+    llama.forward(&embeds, &mut [SeqInput { new_tokens: ids.len(), cache: &mut cache }], true).unwrap()
 }
 
 #[test]
 fn v5_tensor_names_load_and_give_the_same_logits() {
-    let renamed = hub_tensors()
-        .into_iter()
-        .map(|(k, v)| (v5_name(&k), v))
-        .collect();
+    let renamed = hub_tensors().into_iter().map(|(k, v)| (v5_name(&k), v)).collect();
     let model = TempModel::new("v5", &renamed);
     let files = model.open().weight_files().unwrap();
     let weights = Weights::open(&files, &Device::Cpu, DType::F32).unwrap();
@@ -90,12 +77,7 @@ fn v5_tensor_names_load_and_give_the_same_logits() {
     let hub = prompt_logits(&fixture_dir());
     let v5 = prompt_logits(&model.0);
     assert_eq!(max_abs_diff(&hub, &v5), 0.0);
-    assert_close(
-        "v5 names vs reference logits",
-        &v5,
-        &Reference::load().tensor("logits"),
-        1e-4,
-    );
+    assert_close("v5 names vs reference logits", &v5, &Reference::load().tensor("logits"), 1e-4);
 }
 
 #[test]
@@ -106,31 +88,11 @@ fn missing_lm_head_falls_back_to_tied_embeddings() {
     let model = TempModel::new("tied", &tensors);
     let dir = model.open();
     let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let embeds = llama
-        .embed_tokens(&Reference::load().ids("text_only_input_ids"))
-        .unwrap();
+    let embeds = llama.embed_tokens(&Reference::load().ids("text_only_input_ids")).unwrap();
     let n = embeds.dim(0).unwrap();
     let (mut c1, mut c2) = (llama.new_cache(), llama.new_cache());
-    let logits = llama
-        .forward(
-            &embeds,
-            &mut [SeqInput {
-                new_tokens: n,
-                cache: &mut c1,
-            }],
-            true,
-        )
-        .unwrap();
-    let hidden = llama
-        .forward_hidden(
-            &embeds,
-            &mut [SeqInput {
-                new_tokens: n,
-                cache: &mut c2,
-            }],
-            true,
-        )
-        .unwrap();
+    let logits = llama.forward(&embeds, &mut [SeqInput { new_tokens: n, cache: &mut c1 }], true).unwrap();
+    let hidden = llama.forward_hidden(&embeds, &mut [SeqInput { new_tokens: n, cache: &mut c2 }], true).unwrap();
     let tied = hidden.matmul(&embed.t().unwrap()).unwrap();
     assert_close("tied lm_head", &logits, &tied, 1e-5);
 }
@@ -149,30 +111,17 @@ fn broken_checkpoints_are_errors() {
 
     let mut wrong = hub_tensors();
     let name = "multi_modal_projector.linear_1.weight".to_string();
-    wrong.insert(
-        name.clone(),
-        Tensor::zeros((64, 31), DType::F32, &Device::Cpu).unwrap(),
-    );
+    wrong.insert(name.clone(), Tensor::zeros((64, 31), DType::F32, &Device::Cpu).unwrap());
     let model = TempModel::new("shape", &wrong);
     match LlavaVision::load(&model.open(), &Device::Cpu, DType::F32) {
-        Err(ModelError::ShapeMismatch {
-            name: n,
-            expected,
-            found,
-        }) => {
+        Err(ModelError::ShapeMismatch { name: n, expected, found }) => {
             assert_eq!((n, expected, found), (name, vec![64, 32], vec![64, 31]));
         }
         other => panic!("expected ShapeMismatch, got {:?}", other.err()),
     }
 
-    let unrelated: HashMap<String, Tensor> = [(
-        "foo".to_string(),
-        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
-    )]
-    .into();
+    let unrelated: HashMap<String, Tensor> =
+        [("foo".to_string(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap())].into();
     let model = TempModel::new("unrelated", &unrelated);
-    assert!(matches!(
-        Llama::load(&model.open(), &Device::Cpu, DType::F32),
-        Err(ModelError::MissingTensor(_))
-    ));
+    assert!(matches!(Llama::load(&model.open(), &Device::Cpu, DType::F32), Err(ModelError::MissingTensor(_))));
 }

@@ -93,7 +93,9 @@ pub struct CacheStats {
 #[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 pub enum CacheError {
     /// Would fit once other requests release their items: try again later.
-    #[error("the embedding cache is full: {needed_slots} slots and {needed_items} items needed, in use by other requests")]
+    #[error(
+        "the embedding cache is full: {needed_slots} slots and {needed_items} items needed, in use by other requests"
+    )]
     Full { needed_slots: u64, needed_items: u64 },
     /// Can never fit, whatever else happens.
     #[error("the request's media needs {needed} {what}, more than the cache's limit of {limit}")]

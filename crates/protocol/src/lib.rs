@@ -13,8 +13,7 @@ pub mod transport;
 pub use cache::{AllocItem, CacheError, CacheStats, EmbedCache, EmbedCacheClient, ItemKey, ItemRecord, Modality};
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};
 pub use engine::{
-    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, OutputEvent,
-    SamplingParams,
+    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, OutputEvent, SamplingParams,
 };
 
 /// Virtual token ids of media items start here, far above any vocabulary, and are

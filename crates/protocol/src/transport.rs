@@ -49,7 +49,9 @@ pub fn bind(path: &Path) -> io::Result<UnixListener> {
 }
 
 /// Wraps an accepted connection as the server end of a tarpc channel.
-pub fn server_transport<Req, Resp>(stream: UnixStream) -> UnixTransport<tarpc::ClientMessage<Req>, tarpc::Response<Resp>>
+pub fn server_transport<Req, Resp>(
+    stream: UnixStream,
+) -> UnixTransport<tarpc::ClientMessage<Req>, tarpc::Response<Resp>>
 where
     Req: DeserializeOwned,
     Resp: Serialize,
@@ -70,12 +72,11 @@ macro_rules! serve_unix {
         loop {
             match listener.accept().await {
                 Ok((stream, _)) => {
-                    let channel = $crate::__private::BaseChannel::with_defaults($crate::transport::server_transport(stream));
-                    $crate::__private::spawn(
-                        channel.execute(serve.clone()).for_each(|response| async move {
-                            $crate::__private::spawn(response);
-                        }),
-                    );
+                    let channel =
+                        $crate::__private::BaseChannel::with_defaults($crate::transport::server_transport(stream));
+                    $crate::__private::spawn(channel.execute(serve.clone()).for_each(|response| async move {
+                        $crate::__private::spawn(response);
+                    }));
                 }
                 Err(e) => $crate::__private::warn!("accept failed: {e}"),
             }

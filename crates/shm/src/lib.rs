@@ -42,21 +42,19 @@ impl Segment {
         check_name(name)?;
         // A zero-length mapping is invalid; keep one byte so empty items still work.
         let map_size = size.max(1);
-        let shmem = ShmemConf::new()
-            .os_id(name)
-            .size(map_size)
-            .create()
-            .map_err(|source| ShmError::Create { name: name.into(), size, source })?;
+        let shmem = ShmemConf::new().os_id(name).size(map_size).create().map_err(|source| ShmError::Create {
+            name: name.into(),
+            size,
+            source,
+        })?;
         Ok(Segment { shmem, name: name.into(), len: size })
     }
 
     /// Maps an existing segment without owning it; checks it holds at least `min_len` bytes.
     pub fn open(name: &str, min_len: usize) -> Result<Segment, ShmError> {
         check_name(name)?;
-        let mut shmem = ShmemConf::new()
-            .os_id(name)
-            .open()
-            .map_err(|source| ShmError::Open { name: name.into(), source })?;
+        let mut shmem =
+            ShmemConf::new().os_id(name).open().map_err(|source| ShmError::Open { name: name.into(), source })?;
         shmem.set_owner(false);
         let len = shmem.len();
         if len < min_len {
@@ -115,7 +113,9 @@ impl Segment {
     fn check_range(&self, offset: usize, len: usize) -> Result<(), ShmError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(ShmError::Size { name: self.name.clone(), expected: offset.saturating_add(len), actual: self.len }),
+            _ => {
+                Err(ShmError::Size { name: self.name.clone(), expected: offset.saturating_add(len), actual: self.len })
+            }
         }
     }
 }
@@ -148,10 +148,7 @@ pub fn remove_with_prefix(prefix: &str) -> usize {
         // Refuse sweeping prefixes that could match other programs' segments.
         return 0;
     }
-    list_with_prefix(prefix)
-        .into_iter()
-        .filter(|n| std::fs::remove_file(Path::new(SHM_DIR).join(n)).is_ok())
-        .count()
+    list_with_prefix(prefix).into_iter().filter(|n| std::fs::remove_file(Path::new(SHM_DIR).join(n)).is_ok()).count()
 }
 
 #[cfg(test)]

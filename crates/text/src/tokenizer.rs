@@ -41,17 +41,13 @@ impl TextTokenizer {
                 _ => {}
             }
         }
-        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
-            if !eos_ids.contains(&id) {
-                eos_ids.push(id);
-            }
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t))
+            && !eos_ids.contains(&id)
+        {
+            eos_ids.push(id);
         }
-        let special_ids = inner
-            .get_added_tokens_decoder()
-            .iter()
-            .filter(|(_, t)| t.special)
-            .map(|(id, _)| *id)
-            .collect();
+        let special_ids =
+            inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
         Ok(TextTokenizer { inner, bos_token, eos_token, eos_ids, special_ids })
     }
 

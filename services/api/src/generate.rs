@@ -48,10 +48,8 @@ impl Drop for RequestGuard {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(async move {
             let t = state.timeouts.rpc;
-            if abort {
-                if let Err(e) = state.engine.abort(deadline(t), request_id).await {
-                    tracing::warn!("aborting request {request_id}: {e}");
-                }
+            if abort && let Err(e) = state.engine.abort(deadline(t), request_id).await {
+                tracing::warn!("aborting request {request_id}: {e}");
             }
             if !ids.is_empty() {
                 match state.cache.release(deadline(t), ids).await {
@@ -120,10 +118,10 @@ fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<Sa
 }
 
 pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, ApiError> {
-    if let Some(model) = &req.model {
-        if model != &state.model_name {
-            return Err(ApiError::ModelNotFound(model.clone()));
-        }
+    if let Some(model) = &req.model
+        && model != &state.model_name
+    {
+        return Err(ApiError::ModelNotFound(model.clone()));
     }
     let parsed = parse_messages(&req.messages)?;
     if parsed.image_urls.len() > state.limits.max_items {
@@ -138,7 +136,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     let mut checks = Vec::with_capacity(parsed.image_urls.len());
     for url in &parsed.image_urls {
         let bytes = data_url_bytes(url, state.limits.max_item_bytes)?;
-        checks.push(check_image(bytes, state.limits.image.clone()));
+        checks.push(check_image(bytes, state.limits.image));
     }
     let items: Vec<MediaItem> = futures::future::try_join_all(checks)
         .await?
@@ -155,7 +153,8 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     let params = sampling(req, prompt_len, state.max_model_len)?;
 
     let request_id = state.new_request_id();
-    let mut guard = RequestGuard { state: state.clone(), request_id, cache_ids: Vec::new(), submitted: false, finished: false };
+    let mut guard =
+        RequestGuard { state: state.clone(), request_id, cache_ids: Vec::new(), submitted: false, finished: false };
     let records = reserve(state, &items, &mut guard).await?;
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
@@ -168,7 +167,13 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     }
 
     let events = state.dispatcher.register(request_id);
-    let request = GenerateRequest { id: request_id, client: state.client_id, prompt_ids: prompt_ids.clone(), items: spans, params };
+    let request = GenerateRequest {
+        id: request_id,
+        client: state.client_id,
+        prompt_ids: prompt_ids.clone(),
+        items: spans,
+        params,
+    };
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
     guard.submitted = true;
     Ok(Started { guard, events, prompt_ids, image_tokens })
@@ -194,7 +199,8 @@ async fn reserve(state: &AppState, items: &[MediaItem], guard: &mut RequestGuard
     let mut written = Vec::new();
     for (item, rec) in items.iter().zip(&records) {
         if rec.write_data {
-            let seg = Segment::open(&rec.data_segment, item.bytes.len()).map_err(|e| ApiError::Internal(e.to_string()))?;
+            let seg =
+                Segment::open(&rec.data_segment, item.bytes.len()).map_err(|e| ApiError::Internal(e.to_string()))?;
             seg.write(0, &item.bytes).map_err(|e| ApiError::Internal(e.to_string()))?;
             written.push(rec.id);
         }

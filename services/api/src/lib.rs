@@ -80,12 +80,17 @@ pub enum ApiServiceError {
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-async fn connect<In, Out>(service: &'static str, path: &std::path::Path) -> Result<transport::UnixTransport<In, Out>, ApiServiceError>
+async fn connect<In, Out>(
+    service: &'static str,
+    path: &std::path::Path,
+) -> Result<transport::UnixTransport<In, Out>, ApiServiceError>
 where
     In: serde::de::DeserializeOwned,
     Out: serde::Serialize,
 {
-    transport::connect(path, CONNECT_TIMEOUT).await.map_err(|e| ApiServiceError::Connect { service, message: e.to_string() })
+    transport::connect(path, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| ApiServiceError::Connect { service, message: e.to_string() })
 }
 
 /// Builds the shared state: the model's text side and clients of the three services.

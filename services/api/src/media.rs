@@ -34,9 +34,8 @@ pub fn data_url_bytes(url: &str, max_bytes: usize) -> Result<Vec<u8>, ApiError> 
             format!("image URLs with scheme {scheme:?} are not allowed; send the image as a data: URL (base64)"),
         ));
     };
-    let (meta, payload) = rest
-        .split_once(',')
-        .ok_or_else(|| ApiError::bad_param(param, "malformed data: URL (no comma)"))?;
+    let (meta, payload) =
+        rest.split_once(',').ok_or_else(|| ApiError::bad_param(param, "malformed data: URL (no comma)"))?;
     if !meta.ends_with(";base64") {
         return Err(ApiError::bad_param(param, "data: URLs must be base64-encoded (`;base64,`)"));
     }

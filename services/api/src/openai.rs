@@ -70,7 +70,8 @@ pub enum Part {
 
 /// Parses one content part; anything but `text` and `image_url` is refused by name.
 pub fn parse_part(v: &Value, at: &str) -> Result<Part, String> {
-    let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| format!("{at}: a content part needs a string `type`"))?;
+    let kind =
+        v.get("type").and_then(Value::as_str).ok_or_else(|| format!("{at}: a content part needs a string `type`"))?;
     match kind {
         "text" => v
             .get("text")

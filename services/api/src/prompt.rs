@@ -32,7 +32,9 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
             Some(Content::Parts(parts)) => {
                 let mut v = Vec::with_capacity(parts.len());
                 for (j, p) in parts.iter().enumerate() {
-                    match parse_part(p, &format!("messages[{i}].content[{j}]")).map_err(|e| ApiError::bad_param("messages", e))? {
+                    match parse_part(p, &format!("messages[{i}].content[{j}]"))
+                        .map_err(|e| ApiError::bad_param("messages", e))?
+                    {
                         Part::Text(t) => v.push(json!({"type": "text", "text": t})),
                         Part::ImageUrl(url) => {
                             image_urls.push(url);

@@ -78,10 +78,9 @@ async fn next_event(state: &AppState, started: &mut Started) -> Result<OutputEve
     match tokio::time::timeout(state.timeouts.token, started.events.recv()).await {
         Ok(Some(ev)) => Ok(ev),
         Ok(None) => Err(ApiError::Internal("the request's event stream closed".into())),
-        Err(_) => Err(ApiError::Unavailable(format!(
-            "no token from the engine within {} s",
-            state.timeouts.token.as_secs()
-        ))),
+        Err(_) => {
+            Err(ApiError::Unavailable(format!("no token from the engine within {} s", state.timeouts.token.as_secs())))
+        }
     }
 }
 
@@ -95,7 +94,12 @@ fn usage(started: &Started, completion: u64) -> Usage {
     }
 }
 
-async fn collect(state: &AppState, mut started: Started, id: String, return_ids: bool) -> Result<ChatCompletion, ApiError> {
+async fn collect(
+    state: &AppState,
+    mut started: Started,
+    id: String,
+    return_ids: bool,
+) -> Result<ChatCompletion, ApiError> {
     let mut text = String::new();
     let mut tokens = Vec::new();
     let finish = loop {
@@ -157,7 +161,13 @@ impl StreamState {
     }
 }
 
-fn stream(state: Arc<AppState>, started: Started, id: String, include_usage: bool, return_ids: bool) -> impl IntoResponse {
+fn stream(
+    state: Arc<AppState>,
+    started: Started,
+    id: String,
+    include_usage: bool,
+    return_ids: bool,
+) -> impl IntoResponse {
     let mut s = StreamState {
         state,
         started,
@@ -252,11 +262,8 @@ async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
 /// Ready only when every service answers.
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let t = Duration::from_secs(2);
-    let (c, e, g) = tokio::join!(
-        state.cache.stats(deadline(t)),
-        state.encoder.stats(deadline(t)),
-        state.engine.info(deadline(t))
-    );
+    let (c, e, g) =
+        tokio::join!(state.cache.stats(deadline(t)), state.encoder.stats(deadline(t)), state.engine.info(deadline(t)));
     let mut down = Vec::new();
     if c.is_err() {
         down.push("embed-cache");
@@ -278,20 +285,32 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     use std::fmt::Write;
     let t = Duration::from_secs(2);
-    let (c, e, g) = tokio::join!(
-        state.cache.stats(deadline(t)),
-        state.encoder.stats(deadline(t)),
-        state.engine.info(deadline(t))
-    );
+    let (c, e, g) =
+        tokio::join!(state.cache.stats(deadline(t)), state.encoder.stats(deadline(t)), state.engine.info(deadline(t)));
     let mut out = String::new();
     let mut line = |name: &str, kind: &str, help: &str, v: u64| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
     };
     let m = &state.metrics;
     line("mmserve_requests_total", "counter", "Chat completion requests received.", m.requests.load(Ordering::Relaxed));
-    line("mmserve_requests_failed_total", "counter", "Requests answered with an error.", m.failed.load(Ordering::Relaxed));
-    line("mmserve_prompt_tokens_total", "counter", "Prompt tokens, expanded media included.", m.prompt_tokens.load(Ordering::Relaxed));
-    line("mmserve_generation_tokens_total", "counter", "Generated tokens.", m.generation_tokens.load(Ordering::Relaxed));
+    line(
+        "mmserve_requests_failed_total",
+        "counter",
+        "Requests answered with an error.",
+        m.failed.load(Ordering::Relaxed),
+    );
+    line(
+        "mmserve_prompt_tokens_total",
+        "counter",
+        "Prompt tokens, expanded media included.",
+        m.prompt_tokens.load(Ordering::Relaxed),
+    );
+    line(
+        "mmserve_generation_tokens_total",
+        "counter",
+        "Generated tokens.",
+        m.generation_tokens.load(Ordering::Relaxed),
+    );
     if let Ok(s) = c {
         line("mmserve_embed_cache_hits_total", "counter", "Items found in the embed cache.", s.hits);
         line("mmserve_embed_cache_misses_total", "counter", "Items added to the embed cache.", s.misses);

@@ -97,10 +97,10 @@ impl SlotAllocator {
             if l == 0 || s + l > self.total {
                 return Err(format!("bad block {s}+{l}"));
             }
-            if let Some(e) = end {
-                if s <= e {
-                    return Err(format!("block {s} overlaps or touches the previous one ending at {e}"));
-                }
+            if let Some(e) = end
+                && s <= e
+            {
+                return Err(format!("block {s} overlaps or touches the previous one ending at {e}"));
             }
             if !self.by_len.contains(&(l, s)) {
                 return Err(format!("block {s}+{l} missing from the size index"));

@@ -257,15 +257,11 @@ impl CacheState {
     }
 
     pub fn data_ready(&self, ids: &[u64]) -> Result<Vec<bool>, CacheError> {
-        ids.iter()
-            .map(|id| self.records.get(id).map(|r| r.data_ready).ok_or(CacheError::UnknownItem(*id)))
-            .collect()
+        ids.iter().map(|id| self.records.get(id).map(|r| r.data_ready).ok_or(CacheError::UnknownItem(*id))).collect()
     }
 
     pub fn embed_ready(&self, ids: &[u64]) -> Result<Vec<bool>, CacheError> {
-        ids.iter()
-            .map(|id| self.records.get(id).map(|r| r.embed_ready).ok_or(CacheError::UnknownItem(*id)))
-            .collect()
+        ids.iter().map(|id| self.records.get(id).map(|r| r.embed_ready).ok_or(CacheError::UnknownItem(*id))).collect()
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -340,7 +336,10 @@ mod tests {
         let before = s.stats();
         assert!(matches!(s.alloc(&[item(2, 30), item(3, 30)]), Err(CacheError::Full { .. })));
         let after = s.stats();
-        assert_eq!((before.items, before.references, before.slots_used), (after.items, after.references, after.slots_used));
+        assert_eq!(
+            (before.items, before.references, before.slots_used),
+            (after.items, after.references, after.slots_used)
+        );
         s.release(&[a[0].id]).unwrap();
         let b = s.alloc(&[item(2, 30), item(3, 30)]).unwrap();
         assert_eq!(b.len(), 2);

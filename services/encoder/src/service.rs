@@ -49,7 +49,8 @@ pub struct EncoderService {
 
 impl EncoderService {
     pub async fn start(args: &EncoderArgs, cache: EmbedCacheClient) -> Result<Self, EncoderServiceError> {
-        let shared = Arc::new(Shared { inflight: Mutex::new(HashMap::new()), stats: Mutex::new(EncoderStats::default()) });
+        let shared =
+            Arc::new(Shared { inflight: Mutex::new(HashMap::new()), stats: Mutex::new(EncoderStats::default()) });
         let timeout = Duration::from_millis(args.timeout_ms);
         let worker = Worker::load(args, cache.clone(), shared.clone()).await?;
         // Bounded: when the tower falls behind, `encode` calls wait here rather than

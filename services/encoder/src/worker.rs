@@ -83,7 +83,11 @@ impl Worker {
         let ids: Vec<u64> = batch.iter().map(|i| i.id).collect();
         let timeout_ms = self.timeout.as_millis() as u64;
         // The request that created an item may still be writing its bytes.
-        let waited = rt.block_on(self.cache.wait_items_data(deadline(self.timeout + Duration::from_secs(1)), ids.clone(), timeout_ms));
+        let waited = rt.block_on(self.cache.wait_items_data(
+            deadline(self.timeout + Duration::from_secs(1)),
+            ids.clone(),
+            timeout_ms,
+        ));
         let ready = match waited {
             Ok(Ok(())) => rt.block_on(self.cache.get_items_embed(deadline(self.timeout), ids.clone())),
             Ok(Err(e)) => return self.fail_all(&batch, ItemFailure::Internal(format!("item data: {e}"))),

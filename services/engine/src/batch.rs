@@ -85,10 +85,8 @@ impl Batcher {
             Command::Abort(id) => {
                 let client = if let Some(pos) = waiting.iter().position(|r| r.id == id) {
                     waiting.remove(pos).map(|r| r.client)
-                } else if let Some(pos) = running.iter().position(|s| s.req.id == id) {
-                    Some(running.swap_remove(pos).req.client)
                 } else {
-                    None
+                    running.iter().position(|s| s.req.id == id).map(|pos| running.swap_remove(pos).req.client)
                 };
                 if let Some(client) = client {
                     self.outbox.push(client, [finish_event(id, FinishReason::Abort)]);
@@ -114,7 +112,8 @@ impl Batcher {
             let token = sample(&row, &seq.req.params, &mut seq.rng);
             seq.output.push(token);
             let p = &seq.req.params;
-            let is_stop = (!p.ignore_eos && self.tokenizer.eos_ids().contains(&token)) || p.stop_token_ids.contains(&token);
+            let is_stop =
+                (!p.ignore_eos && self.tokenizer.eos_ids().contains(&token)) || p.stop_token_ids.contains(&token);
             let finish = if is_stop {
                 Some(FinishReason::Stop)
             } else if seq.output.len() >= p.max_tokens as usize {
@@ -127,7 +126,8 @@ impl Batcher {
                 text.push_str(&seq.decoder.finish(&self.tokenizer));
                 finished.push(i);
             }
-            self.outbox.push(seq.req.client, [OutputEvent { request_id: seq.req.id, token_id: Some(token), text, finish }]);
+            self.outbox
+                .push(seq.req.client, [OutputEvent { request_id: seq.req.id, token_id: Some(token), text, finish }]);
         }
         for i in finished.into_iter().rev() {
             running.swap_remove(i);
@@ -148,11 +148,8 @@ impl Batcher {
         }
         let lens: Vec<usize> = embeds.iter().map(|e| e.dim(0).unwrap_or(0)).collect();
         let input = Tensor::cat(&embeds, 0).map_err(|e| e.to_string())?;
-        let mut seqs: Vec<SeqInput<'_>> = running
-            .iter_mut()
-            .zip(lens)
-            .map(|(s, n)| SeqInput { new_tokens: n, cache: &mut s.cache })
-            .collect();
+        let mut seqs: Vec<SeqInput<'_>> =
+            running.iter_mut().zip(lens).map(|(s, n)| SeqInput { new_tokens: n, cache: &mut s.cache }).collect();
         let logits = self.model.forward(&input, &mut seqs, false).map_err(|e| e.to_string())?;
         logits.to_vec2::<f32>().map_err(|e| e.to_string())
     }
@@ -164,8 +161,6 @@ fn finish_event(request_id: u64, reason: FinishReason) -> OutputEvent {
 
 /// A seed for requests that give none: differs per request and per run.
 fn fresh_seed(id: u64) -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     Rng::new(nanos ^ id.rotate_left(32)).next_u64()
 }

@@ -57,7 +57,8 @@ fn source(id: u64, vocab: usize, items: &[ItemSpan]) -> Result<Source, EngineErr
 /// Embeddings [ids.len(), hidden] for prompt ids (validated by [`validate`]).
 pub fn embed_prompt(model: &Llama, arena: &Arena, ids: &[u64], items: &[ItemSpan]) -> Result<Tensor, String> {
     let vocab = model.config().vocab_size;
-    let sources: Vec<Source> = ids.iter().map(|&id| source(id, vocab, items).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let sources: Vec<Source> =
+        ids.iter().map(|&id| source(id, vocab, items).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
     let mut parts = Vec::new();
     let mut i = 0;
     // Consecutive runs of one kind become one tensor each.

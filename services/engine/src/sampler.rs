@@ -35,11 +35,8 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     }
     let inv_t = 1.0 / f64::from(params.temperature);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(u32, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, ((f64::from(l) - f64::from(max)) * inv_t).exp()))
-        .collect();
+    let mut probs: Vec<(u32, f64)> =
+        logits.iter().enumerate().map(|(i, &l)| (i as u32, ((f64::from(l) - f64::from(max)) * inv_t).exp())).collect();
     let total: f64 = probs.iter().map(|p| p.1).sum();
     probs.iter_mut().for_each(|p| p.1 /= total);
     if params.top_p < 1.0 {
@@ -87,7 +84,9 @@ mod tests {
         let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
         assert_eq!(sample(&logits, &greedy, &mut Rng::new(1)), 1);
         let hot = SamplingParams { temperature: 1.0, ..Default::default() };
-        let draw = |seed| (0..32).map(|_| 0).scan(Rng::new(seed), |r, _: i32| Some(sample(&logits, &hot, r))).collect::<Vec<_>>();
+        let draw = |seed| {
+            (0..32).map(|_| 0).scan(Rng::new(seed), |r, _: i32| Some(sample(&logits, &hot, r))).collect::<Vec<_>>()
+        };
         assert_eq!(draw(7), draw(7));
         assert_ne!(draw(7), draw(8));
         // top_p small enough keeps only the two tied best tokens.

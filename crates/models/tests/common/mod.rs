@@ -15,23 +15,16 @@ pub struct Reference(HashMap<String, Tensor>);
 impl Reference {
     pub fn load() -> Self {
         let path = fixture_dir().join("reference.safetensors");
-        Reference(
-            candle_core::safetensors::load(path, &Device::Cpu).expect("reference.safetensors"),
-        )
+        Reference(candle_core::safetensors::load(path, &Device::Cpu).expect("reference.safetensors"))
     }
 
     pub fn tensor(&self, name: &str) -> Tensor {
-        self.0
-            .get(name)
-            .unwrap_or_else(|| panic!("reference has no {name}"))
-            .clone()
+        self.0.get(name).unwrap_or_else(|| panic!("reference has no {name}")).clone()
     }
 
     pub fn ids(&self, name: &str) -> Vec<u32> {
         let ids = self.tensor(name).to_vec1::<i64>().unwrap();
-        ids.into_iter()
-            .map(|id| u32::try_from(id).unwrap())
-            .collect()
+        ids.into_iter().map(|id| u32::try_from(id).unwrap()).collect()
     }
 }
 

@@ -1,0 +1,201 @@
+//! End to end through real processes: `mmserve serve` with the tiny LLaVA fixture.
+
+mod common;
+
+use common::*;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+/// Reads an SSE response: the `data:` payloads in order.
+async fn sse(server: &Server, body: &Value) -> Vec<String> {
+    let r = server.http.post(format!("{}/v1/chat/completions", server.url)).json(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let text = r.text().await.unwrap();
+    text.split("\n\n").filter_map(|f| f.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+#[tokio::test]
+async fn greedy_tokens_match_transformers_streamed_and_not() {
+    let reference = reference();
+    let want_ids = ids(&reference["generated_ids"]);
+    let want_text = reference["generated_text"].as_str().unwrap();
+    let server = Server::start(&[]);
+    let url = data_url(&fixture_png());
+
+    let (status, body) = server.chat(&image_request(&url, false)).await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["content"], want_text);
+    assert_eq!(ids(&choice["token_ids"]), want_ids);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(body["usage"]["prompt_tokens"], 45);
+    assert_eq!(body["usage"]["completion_tokens"], 8);
+    assert_eq!(body["usage"]["prompt_tokens_details"]["image_tokens"], 16);
+    // The expanded prompt: the fixture's ids with the 16 image positions virtual.
+    let prompt = ids(&body["prompt_token_ids"]);
+    let expanded = ids(&reference["input_ids"]);
+    assert_eq!(prompt.len(), expanded.len());
+    for (got, want) in prompt.iter().zip(&expanded) {
+        if *want == 1000 {
+            assert!(*got >= 1 << 32, "image position holds a virtual id");
+        } else {
+            assert_eq!(got, want);
+        }
+    }
+
+    let mut req = image_request(&url, true);
+    req["stream_options"] = json!({"include_usage": true});
+    let frames = sse(&server, &req).await;
+    assert_eq!(frames.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = frames[..frames.len() - 1].iter().map(|f| serde_json::from_str(f).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, want_text);
+    let streamed_ids: Vec<u64> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["token_ids"].as_array())
+        .flatten()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(streamed_ids, want_ids);
+    let finish: Vec<&Value> =
+        chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish, vec![&json!("length")]);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 8);
+
+    assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
+    server.stop();
+}
+
+/// A second image: the fixture with its colours inverted.
+fn inverted_png() -> Vec<u8> {
+    let mut img = image::load_from_memory(&fixture_png()).unwrap().to_rgb8();
+    img.pixels_mut().for_each(|p| p.0 = p.0.map(|c| 255 - c));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+async fn answer(server: &Server, url: &str) -> Vec<u64> {
+    let (status, body) = server.chat(&image_request(url, false)).await;
+    assert_eq!(status, 200, "{body}");
+    ids(&body["choices"][0]["token_ids"])
+}
+
+#[tokio::test]
+async fn repeated_image_is_encoded_once_and_concurrent_images_stay_apart() {
+    let want = ids(&reference()["generated_ids"]);
+    let (a, b) = (data_url(&fixture_png()), data_url(&inverted_png()));
+
+    // Two different images at once: each gets its own embedding.
+    let server = Server::start(&[]);
+    let (got_a, got_b) = tokio::join!(answer(&server, &a), answer(&server, &b));
+    assert_eq!(got_a, want);
+    assert_ne!(got_a, got_b, "the two images must not share an embedding");
+    assert_eq!(server.metric("mmserve_encoder_items_total").await, 2);
+
+    // The same image again: a cache hit, not encoded again, same answer.
+    assert_eq!(answer(&server, &a).await, want);
+    assert_eq!(server.metric("mmserve_encoder_items_total").await, 2);
+    assert_eq!(server.metric("mmserve_embed_cache_hits_total").await, 1);
+    assert_eq!(server.metric("mmserve_embed_cache_misses_total").await, 2);
+    assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
+    server.stop();
+
+    // What the second image gets alone, on a fresh server.
+    let alone = Server::start(&[]);
+    assert_eq!(answer(&alone, &b).await, got_b);
+    alone.stop();
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_leaves_nothing_held() {
+    let server = Server::start(&[]);
+    let mut req = image_request(&data_url(&fixture_png()), true);
+    req["max_tokens"] = json!(400);
+    let r = server.http.post(format!("{}/v1/chat/completions", server.url)).json(&req).send().await.unwrap();
+    let mut body = r.bytes_stream();
+    // Wait until tokens flow, then hang up.
+    let mut seen = String::new();
+    while !seen.contains("\"content\":\"ame\"") {
+        seen.push_str(&String::from_utf8_lossy(&body.next().await.unwrap().unwrap()));
+    }
+    assert_eq!(server.metric("mmserve_embed_cache_references").await, 1, "held while streaming");
+    drop(body);
+    assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
+    assert_eq!(server.metric_becomes("mmserve_running_requests", 0).await, 0, "the engine aborted it");
+    assert!(server.metric("mmserve_generation_tokens_total").await < 400);
+    server.stop();
+}
+
+#[tokio::test]
+async fn malformed_requests_get_400_and_the_server_keeps_serving() {
+    let server = Server::start(&[]);
+    let png = data_url(&fixture_png());
+    let text = |t: &str| json!({"type": "text", "text": t});
+    let bad: Vec<(&str, Value)> = vec![
+        ("empty messages", json!({"messages": []})),
+        (
+            "invalid base64",
+            json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%notbase64"}}, text("hi")]}]}),
+        ),
+        (
+            "undecodable image",
+            json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}, text("hi")]}]}),
+        ),
+        ("wrong part type", json!({"messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]})),
+        (
+            "audio to an image model",
+            json!({"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}),
+        ),
+        (
+            "remote URL",
+            json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]}]}),
+        ),
+        ("bad role", json!({"messages": [{"role": "wizard", "content": "hi"}]})),
+        ("max_tokens too large", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000})),
+        ("temperature out of range", json!({"messages": [{"role": "user", "content": "hi"}], "temperature": 9})),
+        // A good image plus a bad one: the good one must not stay referenced.
+        (
+            "one bad image of two",
+            json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png}},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}),
+        ),
+    ];
+    for (what, body) in &bad {
+        let (status, err) = server.chat(body).await;
+        assert_eq!(status, 400, "{what}: {err}");
+        let e = &err["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {err}");
+        assert_eq!(e["type"], "invalid_request_error", "{what}");
+        assert!(e.get("param").is_some() && e.get("code").is_some(), "{what}: {err}");
+    }
+    let (status, err) = server.post_raw("{\"messages\": [").await;
+    assert_eq!(status, 400, "malformed JSON: {err}");
+    let (status, err) = server.chat(&json!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!(status, 404, "{err}");
+
+    assert_eq!(server.metric("mmserve_embed_cache_references").await, 0);
+    let (status, body) = server.chat(&image_request(&png, false)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), ids(&reference()["generated_ids"]));
+    server.stop();
+}
+
+#[tokio::test]
+async fn health_and_models() {
+    let server = Server::start(&[]);
+    let r = server.http.get(format!("{}/health", server.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let models: Value =
+        server.http.get(format!("{}/v1/models", server.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "llava-tiny");
+    server.stop();
+}
