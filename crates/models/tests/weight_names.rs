@@ -125,3 +125,28 @@ fn broken_checkpoints_are_errors() {
     let model = TempModel::new("unrelated", &unrelated);
     assert!(matches!(Llama::load(&model.open(), &Device::Cpu, DType::F32), Err(ModelError::MissingTensor(_))));
 }
+
+#[test]
+fn sharded_checkpoints_load_through_their_index() {
+    let tensors = hub_tensors();
+    let dir = TempModel::new("sharded", &HashMap::new());
+    std::fs::remove_file(dir.0.join("model.safetensors")).unwrap();
+    // Vision and projector in one shard, the language model in the other.
+    let mut shards: [HashMap<String, Tensor>; 2] = Default::default();
+    let mut weight_map = serde_json::Map::new();
+    for (name, t) in tensors {
+        let k = usize::from(name.starts_with("language_model."));
+        let file = format!("model-0000{}-of-00002.safetensors", k + 1);
+        weight_map.insert(name.clone(), serde_json::Value::String(file));
+        shards[k].insert(name, t);
+    }
+    for (k, shard) in shards.iter().enumerate() {
+        candle_core::safetensors::save(shard, dir.0.join(format!("model-0000{}-of-00002.safetensors", k + 1))).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dir.0.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    assert!(matches!(dir.open().weight_files().unwrap(), mmserve_config::WeightFiles::Sharded(ref v) if v.len() == 2));
+    let logits = prompt_logits(&dir.0);
+    let r = Reference::load();
+    assert_close("sharded logits", &logits, &r.tensor("logits"), 1e-4);
+}

@@ -60,3 +60,21 @@ fn multibyte_characters_are_never_split() {
     assert_eq!(out, tok.decode(&encoded, true));
     assert_eq!(out, s);
 }
+
+#[test]
+fn chat_template_falls_back_to_tokenizer_config() {
+    let (dir, reference) = fixture();
+    let tmp = std::env::temp_dir().join(format!("mmserve-text-template-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(dir.path(f), tmp.join(f)).unwrap();
+    }
+    let without_jinja = ModelDir::open(&tmp).unwrap();
+    let source = without_jinja.chat_template().unwrap().expect("tokenizer_config.json has one");
+    let tok = TextTokenizer::from_dir(&without_jinja).unwrap();
+    let prompt = ChatTemplate::new(source, &tok).unwrap().render(&reference["messages"], true).unwrap();
+    assert_eq!(prompt, reference["prompt"].as_str().unwrap());
+    std::fs::remove_file(tmp.join("tokenizer_config.json")).unwrap();
+    assert!(ModelDir::open(&tmp).unwrap().chat_template().unwrap().is_none());
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
