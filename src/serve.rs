@@ -23,12 +23,16 @@ pub struct ServeArgs {
     /// 0 picks a free port.
     #[arg(long, env = "MMSERVE_PORT", default_value_t = 8000)]
     pub port: u16,
-    /// Embedding slots in the embed cache's arena.
-    #[arg(long, env = "MMSERVE_EMBED_CACHE_SLOTS", default_value_t = 65536)]
-    pub embed_cache_slots: u64,
-    /// Most items the embed cache holds.
-    #[arg(long, env = "MMSERVE_EMBED_CACHE_ITEMS", default_value_t = 4096)]
-    pub embed_cache_items: u64,
+    /// Use the embed-cache service at this socket instead of starting one.
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_SOCKET")]
+    pub embed_cache_socket: Option<PathBuf>,
+    #[command(flatten)]
+    pub cache: mmserve_embed_cache::CapacityArgs,
+    #[command(flatten)]
+    pub admin: mmserve_embed_cache::AdminArgs,
+    /// Longest wait in line for embed-cache capacity, in seconds (then 503).
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
+    pub embed_cache_wait_timeout_s: u64,
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
@@ -115,20 +119,30 @@ async fn start_all(
     running: &mut Vec<Running>,
 ) -> anyhow::Result<String> {
     let model = args.model.to_string_lossy().into_owned();
-    let cache_socket = paths.socket("embed-cache");
+    let cache_socket = args.embed_cache_socket.clone().unwrap_or_else(|| paths.socket("embed-cache"));
     let s = |p: &Path| p.to_string_lossy().into_owned();
-    let cache_args = vec![
+    let cap = &args.cache;
+    let mut cache_args = vec![
         "--socket".into(),
         s(&cache_socket),
         "--shm-prefix".into(),
         paths.shm_prefix.clone(),
         "--embed-dim".into(),
         dir.config.lm_hidden_size().to_string(),
-        "--embed-cache-slots".into(),
-        args.embed_cache_slots.to_string(),
+        "--embed-cache-size".into(),
+        cap.embed_cache_size.0.to_string(),
+        "--embed-cache-data-size".into(),
+        cap.embed_cache_data_size.0.to_string(),
         "--embed-cache-items".into(),
-        args.embed_cache_items.to_string(),
+        cap.embed_cache_items.to_string(),
+        "--embed-cache-request-share".into(),
+        cap.embed_cache_request_share.to_string(),
+        "--admin-addr".into(),
+        args.admin.admin_addr.clone(),
     ];
+    if let Some(f) = &args.admin.admin_token_file {
+        cache_args.extend(["--admin-token-file".into(), s(f)]);
+    }
     let encoder_args = vec![
         "--socket".into(),
         s(&paths.socket("encoder")),
@@ -160,18 +174,29 @@ async fn start_all(
         s(&paths.socket("encoder")),
         "--engine-socket".into(),
         s(&paths.socket("engine")),
+        "--embed-cache-wait-timeout-s".into(),
+        args.embed_cache_wait_timeout_s.to_string(),
     ];
     let timeout = Duration::from_secs(args.ready_timeout_s);
-    running.push(start_one("embed-cache", cache_args, timeout, exit_tx).await?.1);
+    if args.embed_cache_socket.is_none() {
+        // The token travels in the environment, not on the command line (ps shows that).
+        let env: Vec<(&str, String)> =
+            args.admin.admin_token.iter().map(|t| ("MMSERVE_ADMIN_TOKEN", t.clone())).collect();
+        let (admin, cache) = start_one("embed-cache", cache_args, &env, timeout, exit_tx).await?;
+        if !admin.is_empty() {
+            println!("mmserve: embed-cache admin listener at {admin}");
+        }
+        running.push(cache);
+    }
     // The encoder and the engine load their weights at the same time.
     let (encoder, engine) = tokio::join!(
-        start_one("encoder", encoder_args, timeout, exit_tx),
-        start_one("engine", engine_args, timeout, exit_tx)
+        start_one("encoder", encoder_args, &[], timeout, exit_tx),
+        start_one("engine", engine_args, &[], timeout, exit_tx)
     );
     let (encoder, engine) = (encoder.map(|r| running.push(r.1)), engine.map(|r| running.push(r.1)));
     encoder?;
     engine?;
-    let (url, api) = start_one("api", api_args, timeout, exit_tx).await?;
+    let (url, api) = start_one("api", api_args, &[], timeout, exit_tx).await?;
     running.push(api);
     Ok(url)
 }
@@ -181,12 +206,16 @@ async fn start_all(
 async fn start_one(
     name: &'static str,
     args: Vec<String>,
+    env: &[(&str, String)],
     timeout: Duration,
     exit_tx: &mpsc::Sender<(&'static str, std::io::Result<ExitStatus>)>,
 ) -> anyhow::Result<(String, Running)> {
     let exe = std::env::current_exe().context("locating the mmserve binary")?;
     let mut cmd = Command::new(exe);
     cmd.arg(name).args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // Children get their settings as flags; a token only from here.
+    cmd.env_remove("MMSERVE_ADMIN_TOKEN");
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it asks the
     // kernel to SIGTERM the child when `serve` dies, so no child outlives a killed supervisor.
     unsafe {

@@ -10,6 +10,51 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ItemKey(pub [u8; 16]);
 
+/// An item's identity: the md5 key the cache is indexed by, and a SHA-256 over the same
+/// input that confirms a hit (md5 collisions can be manufactured; SHA-256 ones cannot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ItemDigest {
+    pub key: ItemKey,
+    pub confirm: [u8; 32],
+}
+
+impl ItemDigest {
+    /// Digests of `bytes ‖ 0 ‖ fingerprint ‖ 0 ‖ modality`. The bytes come first, so the
+    /// key is exactly as strong as md5 of the bytes (a common suffix preserves a collision,
+    /// which the collision test relies on).
+    pub fn compute(modality: Modality, fingerprint: &str, bytes: &[u8]) -> Self {
+        use md5::Digest as _;
+        let modality = modality.to_string();
+        let suffix = [&[0u8][..], fingerprint.as_bytes(), &[0u8], modality.as_bytes()];
+        let mut md5 = md5::Md5::new();
+        let mut sha = sha2::Sha256::new();
+        md5.update(bytes);
+        sha.update(bytes);
+        for part in suffix {
+            md5.update(part);
+            sha.update(part);
+        }
+        ItemDigest { key: ItemKey(md5.finalize().into()), confirm: sha.finalize().into() }
+    }
+}
+
+impl std::str::FromStr for ItemKey {
+    type Err = String;
+
+    /// 32 hex digits.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!("{s:?} is not a digest (32 hex digits)"));
+        }
+        let mut out = [0u8; 16];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+        }
+        Ok(ItemKey(out))
+    }
+}
+
 impl fmt::Display for ItemKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
@@ -40,7 +85,7 @@ impl fmt::Display for Modality {
 /// One item of an `alloc` call.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AllocItem {
-    pub key: ItemKey,
+    pub digest: ItemDigest,
     pub modality: Modality,
     /// Embedding rows (= virtual tokens) the item becomes.
     pub token_num: u32,
@@ -60,21 +105,45 @@ pub struct ItemRecord {
     pub start_index: u64,
     pub data_ready: bool,
     pub embed_ready: bool,
-    /// Shared-memory segment (created by the cache) that holds the raw bytes.
-    pub data_segment: String,
+    /// Where the raw bytes live in the data arena (`ArenaInfo::data_segment`).
+    pub data_offset: u64,
     pub data_len: u64,
     /// True for exactly one caller: the one whose `alloc` created the record and who
     /// must write the raw bytes and call `set_items_data`.
     pub write_data: bool,
 }
 
-/// Where the embedding arena lives and how it is laid out.
+/// What `alloc` grants: a record per requested item, in request order.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Allocation {
+    /// The cache instance whose arenas the records' offsets refer to.
+    pub instance: u64,
+    pub records: Vec<ItemRecord>,
+}
+
+/// Where the cache's two shared-memory arenas live and how they are laid out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ArenaInfo {
-    pub segment: String,
+    /// Random per start of the cache: a restarted cache has new arenas, and clients
+    /// that see a new instance map them again.
+    pub instance: u64,
+    /// Embeddings, `[slots, layers, hidden]` of `dtype`.
+    pub embed_segment: String,
     pub slots: u64,
-    /// f32 values per slot (the LLM's hidden size).
+    pub layers: u32,
     pub hidden: u32,
+    /// `float32` (the only one so far).
+    pub dtype: String,
+    /// Raw item bytes.
+    pub data_segment: String,
+    pub data_bytes: u64,
+}
+
+impl ArenaInfo {
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.layers as usize * self.hidden as usize * 4
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -83,29 +152,36 @@ pub struct CacheStats {
     pub max_items: u64,
     pub slots_total: u64,
     pub slots_used: u64,
+    pub largest_free_block: u64,
     pub references: u64,
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
+    /// Raw item bytes held in the data arena.
     pub data_bytes: u64,
+    pub data_bytes_total: u64,
+    /// `alloc` calls waiting for capacity.
+    pub waiting: u64,
 }
 
 #[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 pub enum CacheError {
-    /// Would fit once other requests release their items: try again later.
+    /// Did not fit within the wait: try again later.
     #[error(
-        "the embedding cache is full: {needed_slots} slots and {needed_items} items needed, in use by other requests"
+        "the embedding cache stayed full for {waited_ms} ms ({needed_slots} slots and {needed_items} items needed, in use by other requests)"
     )]
-    Full { needed_slots: u64, needed_items: u64 },
+    Full { needed_slots: u64, needed_items: u64, waited_ms: u64 },
     /// Can never fit, whatever else happens.
-    #[error("the request's media needs {needed} {what}, more than the cache's limit of {limit}")]
-    TooLarge { what: String, needed: u64, limit: u64 },
+    #[error("the request's media needs {needed} {what}, more than the limit of {limit} ({flag})")]
+    TooLarge { what: String, needed: u64, limit: u64, flag: String },
     #[error("no cache item with id {0}")]
     UnknownItem(u64),
-    #[error("cache item {0} is not referenced")]
+    #[error("cache item {0} is not referenced by this client")]
     NotReferenced(u64),
     #[error("shared memory: {0}")]
     SharedMemory(String),
+    #[error("the client's connection closed")]
+    Disconnected,
     #[error("timed out after {0} ms waiting for item data")]
     Timeout(u64),
 }
@@ -113,9 +189,11 @@ pub enum CacheError {
 #[tarpc::service]
 pub trait EmbedCache {
     /// All-or-nothing: a record (new or existing) and one reference for every item, or
-    /// an error and nothing held.
-    async fn alloc(items: Vec<AllocItem>) -> Result<Vec<ItemRecord>, CacheError>;
-    /// Drops one reference per id (ids may repeat).
+    /// an error and nothing held. When the items would fit once others are released, the
+    /// call waits in line (first come, first served, holding nothing) up to `wait_ms`.
+    /// References belong to the calling connection and are released if it closes.
+    async fn alloc(items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError>;
+    /// Drops one reference per id (ids may repeat) held by this connection.
     async fn release(ids: Vec<u64>) -> Result<(), CacheError>;
     async fn set_items_data(ids: Vec<u64>) -> Result<(), CacheError>;
     async fn get_items_data(ids: Vec<u64>) -> Result<Vec<bool>, CacheError>;
@@ -125,4 +203,73 @@ pub trait EmbedCache {
     async fn get_items_embed(ids: Vec<u64>) -> Result<Vec<bool>, CacheError>;
     async fn arena() -> ArenaInfo;
     async fn stats() -> CacheStats;
+}
+
+/// Item details for operators.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ItemInfo {
+    pub digest: ItemKey,
+    pub modality: Modality,
+    pub start_slot: u64,
+    pub slots: u32,
+    pub references: u32,
+    pub data_bytes: u64,
+    pub embed_ready: bool,
+    pub idle_ms: u64,
+    pub age_ms: u64,
+}
+
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
+pub enum AdminError {
+    #[error("unauthorized: wrong or missing admin token")]
+    Unauthorized,
+    #[error("no item with digest {0}")]
+    NotFound(ItemKey),
+    #[error("item {digest} is in use ({references} references); it can be evicted once released")]
+    Referenced { digest: ItemKey, references: u32 },
+}
+
+/// The operators' face of the cache, on its own (loopback TCP) listener. Every call
+/// carries the admin token.
+#[tarpc::service]
+pub trait CacheAdmin {
+    async fn stats(token: String) -> Result<CacheStats, AdminError>;
+    async fn list(token: String) -> Result<Vec<ItemInfo>, AdminError>;
+    /// Evicts the unreferenced item(s) with this digest.
+    async fn evict(token: String, digest: ItemKey) -> Result<u64, AdminError>;
+    /// Evicts every unreferenced item; returns how many.
+    async fn clear(token: String) -> Result<u64, AdminError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A published MD5 collision: two different 128-byte blocks with equal md5.
+    pub const COLLISION: [&str; 2] = [
+        "d131dd02c5e6eec4693d9a0698aff95c2fcab58712467eab4004583eb8fb7f8955ad340609f4b30283e488832571415a085125e8f7cdc99fd91dbdf280373c5bd8823e3156348f5bae6dacd436c919c6dd53e2b487da03fd02396306d248cda0e99f33420f577ee8ce54b67080a80d1ec69821bcb6a8839396f9652b6ff72a70",
+        "d131dd02c5e6eec4693d9a0698aff95c2fcab50712467eab4004583eb8fb7f8955ad340609f4b30283e4888325f1415a085125e8f7cdc99fd91dbd7280373c5bd8823e3156348f5bae6dacd436c919c6dd53e23487da03fd02396306d248cda0e99f33420f577ee8ce54b67080280d1ec69821bcb6a8839396f965ab6ff72a70",
+    ];
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn colliding_inputs_share_the_key_but_not_the_confirmation() {
+        let (a, b) = (hex(COLLISION[0]), hex(COLLISION[1]));
+        assert_ne!(a, b);
+        let (da, db) = (ItemDigest::compute(Modality::Image, "fp", &a), ItemDigest::compute(Modality::Image, "fp", &b));
+        assert_eq!(da.key, db.key, "the key is md5 of the bytes first: the collision carries over");
+        assert_ne!(da.confirm, db.confirm);
+        assert_ne!(da.key, ItemDigest::compute(Modality::Audio, "fp", &a).key);
+        assert_ne!(da.key, ItemDigest::compute(Modality::Image, "fp2", &a).key);
+    }
+
+    #[test]
+    fn keys_round_trip_through_hex() {
+        let k = ItemDigest::compute(Modality::Image, "x", b"y").key;
+        assert_eq!(k.to_string().parse::<ItemKey>().unwrap(), k);
+        assert!("xyz".parse::<ItemKey>().is_err());
+    }
 }

@@ -8,7 +8,9 @@ use crate::Modality;
 pub struct EncodeItem {
     pub id: u64,
     pub modality: Modality,
-    pub data_segment: String,
+    /// The cache instance the offsets refer to (see `ArenaInfo::instance`).
+    pub cache_instance: u64,
+    pub data_offset: u64,
     pub data_len: u64,
     pub start_index: u64,
     pub token_num: u32,

@@ -45,6 +45,8 @@ pub struct GenerateRequest {
     /// Text ids below the vocabulary size; virtual ids (≥ `VIRTUAL_TOKEN_BASE`) inside `items`.
     pub prompt_ids: Vec<u64>,
     pub items: Vec<ItemSpan>,
+    /// The cache instance whose arena holds the items' rows.
+    pub cache_instance: u64,
     pub params: SamplingParams,
 }
 

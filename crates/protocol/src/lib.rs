@@ -8,9 +8,13 @@ pub mod cache;
 pub mod encoder;
 pub mod engine;
 pub mod ready;
+pub mod reconnect;
 pub mod transport;
 
-pub use cache::{AllocItem, CacheError, CacheStats, EmbedCache, EmbedCacheClient, ItemKey, ItemRecord, Modality};
+pub use cache::{
+    AdminError, AllocItem, ArenaInfo, CacheAdmin, CacheAdminClient, CacheError, CacheStats, EmbedCache,
+    EmbedCacheClient, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality,
+};
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};
 pub use engine::{
     Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, OutputEvent, SamplingParams,

@@ -1,9 +1,15 @@
 //! Named POSIX shared-memory segments (over the `shared_memory` crate).
 //!
-//! Every segment of one server run is named `<prefix>-<what>`, with a prefix unique to
-//! the run, so that `serve` can sweep `/dev/shm` for anything a killed child left.
+//! Every segment of one cache instance is named `<prefix>.<what>`, with a prefix unique
+//! to the instance. The instance holds an exclusive `flock` on `<prefix>.owner` for its
+//! whole life ([`InstanceLock`]), so a later start can tell a dead instance's leftovers
+//! from a live one's and remove only those ([`sweep_dead_instances`]).
 //! The process that creates a segment owns it and unlinks it when the [`Segment`] drops;
 //! others open it without owning it.
+
+mod instance;
+
+pub use instance::{InstanceLock, sweep_dead_instances};
 
 use std::path::Path;
 
@@ -19,6 +25,10 @@ pub enum ShmError {
     Size { name: String, expected: usize, actual: usize },
     #[error("shared memory name {0:?} is not a plain name")]
     BadName(String),
+    #[error("shared-memory prefix {0} belongs to a running instance")]
+    InUse(String),
+    #[error("owner file of {prefix}: {source}")]
+    Owner { prefix: String, source: std::io::Error },
 }
 
 /// A mapped shared-memory segment.
@@ -120,7 +130,7 @@ impl Segment {
     }
 }
 
-fn check_name(name: &str) -> Result<(), ShmError> {
+pub(crate) fn check_name(name: &str) -> Result<(), ShmError> {
     let ok = !name.is_empty()
         && name.len() < 200
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');

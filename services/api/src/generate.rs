@@ -6,14 +6,13 @@
 use std::sync::Arc;
 
 use mmserve_protocol::{
-    AllocItem, EncodeItem, GenerateRequest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure, SamplingParams,
-    deadline,
+    AllocItem, EncodeItem, GenerateRequest, ItemDigest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure,
+    SamplingParams, deadline,
 };
-use mmserve_shm::Segment;
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
-use crate::media::{MediaItem, check_image, data_url_bytes, item_key};
+use crate::media::{MediaItem, check_image, data_url_bytes};
 use crate::openai::ChatRequest;
 use crate::prompt::{expand, parse_messages, tokenize};
 use crate::state::AppState;
@@ -52,10 +51,12 @@ impl Drop for RequestGuard {
                 tracing::warn!("aborting request {request_id}: {e}");
             }
             if !ids.is_empty() {
-                match state.cache.release(deadline(t), ids).await {
+                // If the cache restarted (or our connection broke), it dropped these
+                // references itself when the connection closed.
+                match state.cache.call(|c| async move { c.release(deadline(t), ids).await }).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::error!("releasing cache items of {request_id}: {e}"),
-                    Err(e) => tracing::error!("releasing cache items of {request_id}: {e}"),
+                    Ok(Err(e)) => tracing::warn!("releasing cache items of {request_id}: {e}"),
+                    Err(e) => tracing::warn!("releasing cache items of {request_id}: {e}"),
                 }
             }
         });
@@ -142,7 +143,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
         .await?
         .into_iter()
         .map(|bytes| MediaItem {
-            key: item_key(Modality::Image, &state.fingerprint, &bytes),
+            digest: ItemDigest::compute(Modality::Image, &state.fingerprint, &bytes),
             bytes,
             modality: Modality::Image,
             token_num: state.tokens_per_image,
@@ -155,7 +156,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     let request_id = state.new_request_id();
     let mut guard =
         RequestGuard { state: state.clone(), request_id, cache_ids: Vec::new(), submitted: false, finished: false };
-    let records = reserve(state, &items, &mut guard).await?;
+    let (cache_instance, records) = reserve(state, &items, &mut guard).await?;
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
     let prompt_ids = expand(&ids, state.image_token, &ranges)?;
@@ -172,6 +173,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
         client: state.client_id,
         prompt_ids: prompt_ids.clone(),
         items: spans,
+        cache_instance,
         params,
     };
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
@@ -180,33 +182,45 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
 }
 
 /// Reserves every item at once, writes the bytes of items this request created, and
-/// waits until every item's embedding is in the arena.
-async fn reserve(state: &AppState, items: &[MediaItem], guard: &mut RequestGuard) -> Result<Vec<ItemRecord>, ApiError> {
+/// waits until every item's embedding is in the arena. Returns the cache instance and
+/// the records.
+async fn reserve(
+    state: &AppState,
+    items: &[MediaItem],
+    guard: &mut RequestGuard,
+) -> Result<(u64, Vec<ItemRecord>), ApiError> {
     if items.is_empty() {
-        return Ok(Vec::new());
+        return Ok((0, Vec::new()));
     }
     let t = state.timeouts.rpc;
+    let wait = state.timeouts.cache_wait;
     let alloc: Vec<AllocItem> = items
         .iter()
-        .map(|i| AllocItem { key: i.key, modality: i.modality, token_num: i.token_num, data_len: i.bytes.len() as u64 })
+        .map(|i| AllocItem {
+            digest: i.digest,
+            modality: i.modality,
+            token_num: i.token_num,
+            data_len: i.bytes.len() as u64,
+        })
         .collect();
-    // The cache serialises every alloc under one lock, across all api processes: a
-    // request gets all its items or none, so two requests never hold parts of the
-    // capacity while waiting on each other.
-    let records = rpc("embed cache", state.cache.alloc(deadline(t), alloc).await)??;
-    guard.cache_ids = records.iter().map(|r| r.id).collect();
+    // The cache decides every alloc under one lock, across all api processes: a request
+    // gets all its items or none (waiting in line, holding nothing, when full), so two
+    // requests never hold parts of the capacity while waiting on each other.
+    let wait_ms = wait.as_millis() as u64;
+    let granted = state.cache.call(|c| async move { c.alloc(deadline(wait + t), alloc, wait_ms).await }).await??;
+    guard.cache_ids = granted.records.iter().map(|r| r.id).collect();
+    let (instance, records) = (granted.instance, granted.records);
 
     let mut written = Vec::new();
     for (item, rec) in items.iter().zip(&records) {
         if rec.write_data {
-            let seg =
-                Segment::open(&rec.data_segment, item.bytes.len()).map_err(|e| ApiError::Internal(e.to_string()))?;
-            seg.write(0, &item.bytes).map_err(|e| ApiError::Internal(e.to_string()))?;
+            let arena = state.arena_for(instance).await?;
+            arena.write_data(rec.data_offset, &item.bytes).map_err(|e| ApiError::Internal(e.to_string()))?;
             written.push(rec.id);
         }
     }
     if !written.is_empty() {
-        rpc("embed cache", state.cache.set_items_data(deadline(t), written).await)??;
+        state.cache.call(|c| async move { c.set_items_data(deadline(t), written).await }).await??;
     }
 
     let mut missing: Vec<EncodeItem> = Vec::new();
@@ -215,7 +229,8 @@ async fn reserve(state: &AppState, items: &[MediaItem], guard: &mut RequestGuard
             missing.push(EncodeItem {
                 id: r.id,
                 modality: Modality::Image,
-                data_segment: r.data_segment.clone(),
+                cache_instance: instance,
+                data_offset: r.data_offset,
                 data_len: r.data_len,
                 start_index: r.start_index,
                 token_num: r.token_num,
@@ -226,5 +241,5 @@ async fn reserve(state: &AppState, items: &[MediaItem], guard: &mut RequestGuard
         let te = state.timeouts.encode;
         rpc("encoder", state.encoder.encode(deadline(te), missing).await)??;
     }
-    Ok(records)
+    Ok((instance, records))
 }

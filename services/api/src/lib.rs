@@ -18,8 +18,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mmserve_config::{ModelConfig, ModelDir};
+use mmserve_embed_cache::ArenaView;
 use mmserve_media::{ClipImageProcessor, ImageLimits};
-use mmserve_protocol::{EmbedCacheClient, EncoderClient, EngineClient, deadline, transport};
+use mmserve_protocol::reconnect::CacheConnection;
+use mmserve_protocol::{EncoderClient, EngineClient, deadline, transport};
 use mmserve_text::{ChatTemplate, TextTokenizer};
 
 use crate::media::MediaLimits;
@@ -57,6 +59,9 @@ pub struct ApiArgs {
     /// Most pixels of one image, read from its header before decoding.
     #[arg(long, env = "MMSERVE_MAX_IMAGE_PIXELS", default_value_t = 178_956_970)]
     pub max_image_pixels: u64,
+    /// Longest wait in line for embed-cache capacity, in seconds (then 503).
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
+    pub embed_cache_wait_timeout_s: u64,
     /// Longest wait for the next token of a running request, in seconds.
     #[arg(long, env = "MMSERVE_TOKEN_TIMEOUT_S", default_value_t = 120)]
     pub token_timeout_s: u64,
@@ -104,7 +109,15 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
     let name = args.served_model_name.clone().unwrap_or_else(|| dir.name.clone());
     let fingerprint = format!("{name};{}", processor.fingerprint());
 
-    let cache = EmbedCacheClient::new(Default::default(), connect("embed-cache", &args.cache_socket).await?).spawn();
+    let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
+    let arena = cache
+        .call(|c| async move { c.arena(deadline(CONNECT_TIMEOUT)).await })
+        .await
+        .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
+    let arena = ArenaView::open(&arena)
+        .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
     let encoder = EncoderClient::new(Default::default(), connect("encoder", &args.encoder_socket).await?).spawn();
     let engine = EngineClient::new(Default::default(), connect("engine", &args.engine_socket).await?).spawn();
     let info = engine
@@ -126,8 +139,10 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         },
         info.max_model_len,
         (cache, encoder, engine),
+        arena,
         Timeouts {
             rpc: Duration::from_secs(10),
+            cache_wait: Duration::from_secs(args.embed_cache_wait_timeout_s),
             encode: Duration::from_secs(300),
             token: Duration::from_secs(args.token_timeout_s),
         },

@@ -2,16 +2,15 @@
 //! event loop, and keyed for the embed cache.
 
 use base64::Engine as _;
-use md5::{Digest, Md5};
 use mmserve_media::{ImageLimits, decode_image};
-use mmserve_protocol::{ItemKey, Modality};
+use mmserve_protocol::{ItemDigest, Modality};
 
 use crate::error::ApiError;
 
 /// An item ready for the cache: its bytes and key.
 pub struct MediaItem {
     pub bytes: Vec<u8>,
-    pub key: ItemKey,
+    pub digest: ItemDigest,
     pub modality: Modality,
     pub token_num: u32,
 }
@@ -55,18 +54,6 @@ pub fn data_url_bytes(url: &str, max_bytes: usize) -> Result<Vec<u8>, ApiError> 
     Ok(bytes)
 }
 
-/// The cache key: md5 over the modality, the fingerprint of everything that changes
-/// the embedding (model and preprocessing), and the bytes. The same in every process.
-pub fn item_key(modality: Modality, fingerprint: &str, bytes: &[u8]) -> ItemKey {
-    let mut h = Md5::new();
-    h.update(modality.to_string().as_bytes());
-    h.update([0]);
-    h.update(fingerprint.as_bytes());
-    h.update([0]);
-    h.update(bytes);
-    ItemKey(h.finalize().into())
-}
-
 /// Checks that the bytes are a decodable image within the limits, on a blocking thread.
 pub async fn check_image(bytes: Vec<u8>, limits: ImageLimits) -> Result<Vec<u8>, ApiError> {
     tokio::task::spawn_blocking(move || decode_image(&bytes, &limits).map(|_| bytes))
@@ -86,14 +73,5 @@ mod tests {
             assert!(matches!(data_url_bytes(bad, 10), Err(ApiError::BadRequest { .. })), "{bad}");
         }
         assert!(data_url_bytes("data:image/png;base64,AAAAAAAAAAAA", 4).is_err(), "over the byte limit");
-    }
-
-    #[test]
-    fn keys_depend_on_bytes_fingerprint_and_modality() {
-        let k = item_key(Modality::Image, "fp", b"abc");
-        assert_eq!(k, item_key(Modality::Image, "fp", b"abc"));
-        assert_ne!(k, item_key(Modality::Image, "fp2", b"abc"));
-        assert_ne!(k, item_key(Modality::Audio, "fp", b"abc"));
-        assert_ne!(k, item_key(Modality::Image, "fp", b"abd"));
     }
 }

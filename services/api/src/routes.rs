@@ -262,8 +262,11 @@ async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
 /// Ready only when every service answers.
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let t = Duration::from_secs(2);
-    let (c, e, g) =
-        tokio::join!(state.cache.stats(deadline(t)), state.encoder.stats(deadline(t)), state.engine.info(deadline(t)));
+    let (c, e, g) = tokio::join!(
+        state.cache.call(|c| async move { c.stats(deadline(t)).await }),
+        state.encoder.stats(deadline(t)),
+        state.engine.info(deadline(t))
+    );
     let mut down = Vec::new();
     if c.is_err() {
         down.push("embed-cache");
@@ -285,8 +288,11 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     use std::fmt::Write;
     let t = Duration::from_secs(2);
-    let (c, e, g) =
-        tokio::join!(state.cache.stats(deadline(t)), state.encoder.stats(deadline(t)), state.engine.info(deadline(t)));
+    let (c, e, g) = tokio::join!(
+        state.cache.call(|c| async move { c.stats(deadline(t)).await }),
+        state.encoder.stats(deadline(t)),
+        state.engine.info(deadline(t))
+    );
     let mut out = String::new();
     let mut line = |name: &str, kind: &str, help: &str, v: u64| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
@@ -319,6 +325,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         line("mmserve_embed_cache_slots_used", "gauge", "Embedding slots in use.", s.slots_used);
         line("mmserve_embed_cache_slots_total", "gauge", "Embedding slots in the arena.", s.slots_total);
         line("mmserve_embed_cache_references", "gauge", "References held by requests in flight.", s.references);
+        line("mmserve_embed_cache_waiting", "gauge", "Requests waiting for cache capacity.", s.waiting);
     }
     if let Ok(s) = e {
         line("mmserve_encoder_items_total", "counter", "Items run through the encoder tower.", s.items_encoded);

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use mmserve_protocol::{EmbedCacheClient, EncoderClient, EngineClient};
+use mmserve_embed_cache::ArenaView;
+use mmserve_protocol::reconnect::CacheConnection;
+use mmserve_protocol::{ArenaInfo, EncoderClient, EngineClient, RpcFailure, deadline};
 use mmserve_text::{ChatTemplate, TextTokenizer};
 
 use crate::dispatch::Dispatcher;
@@ -20,7 +22,9 @@ pub struct AppState {
     pub fingerprint: String,
     pub limits: MediaLimits,
     pub max_model_len: u64,
-    pub cache: EmbedCacheClient,
+    pub cache: CacheConnection,
+    /// The cache's arenas as last mapped (items' bytes are written through it).
+    arena: std::sync::Mutex<Arc<ArenaView>>,
     pub encoder: EncoderClient,
     pub engine: EngineClient,
     pub dispatcher: Arc<Dispatcher>,
@@ -34,6 +38,8 @@ pub struct AppState {
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
     pub rpc: std::time::Duration,
+    /// Longest wait in line for embed-cache capacity.
+    pub cache_wait: std::time::Duration,
     pub encode: std::time::Duration,
     /// Longest wait for the next token of a running request.
     pub token: std::time::Duration,
@@ -64,7 +70,8 @@ impl AppState {
         fingerprint: String,
         limits: MediaLimits,
         max_model_len: u64,
-        clients: (EmbedCacheClient, EncoderClient, EngineClient),
+        clients: (CacheConnection, EncoderClient, EngineClient),
+        arena: ArenaView,
         timeouts: Timeouts,
     ) -> Self {
         let client_id = u64::from(std::process::id());
@@ -78,6 +85,7 @@ impl AppState {
             limits,
             max_model_len,
             cache: clients.0,
+            arena: std::sync::Mutex::new(Arc::new(arena)),
             encoder: clients.1,
             engine: clients.2,
             dispatcher: Arc::new(Dispatcher::default()),
@@ -86,6 +94,23 @@ impl AppState {
             metrics: Metrics::default(),
             timeouts,
         }
+    }
+
+    /// The arenas of cache instance `instance`, mapped anew if the cache restarted.
+    pub async fn arena_for(&self, instance: u64) -> Result<Arc<ArenaView>, RpcFailure> {
+        let current = self.arena.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if current.info.instance == instance {
+            return Ok(current);
+        }
+        let t = self.timeouts.rpc;
+        let info: ArenaInfo = self.cache.call(|c| async move { c.arena(deadline(t)).await }).await?;
+        let fail = |reason: String| RpcFailure { service: "embed cache", reason };
+        if info.instance != instance {
+            return Err(fail("the cache restarted during the request".into()));
+        }
+        let view = Arc::new(ArenaView::open(&info).map_err(|e| fail(e.to_string()))?);
+        *self.arena.lock().unwrap_or_else(|p| p.into_inner()) = view.clone();
+        Ok(view)
     }
 
     /// Unique at the engine: this process's id in the high bits.

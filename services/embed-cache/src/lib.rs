@@ -1,61 +1,148 @@
-//! The embed-cache service (its own process).
+//! The embed-cache service (its own process, or shared by several servers).
 //!
-//! Owns the item records ([`state`]), the arena's slot accounting ([`slots`]) and every
-//! shared-memory segment of item data and embeddings. Serves `EmbedCache` over tarpc.
+//! Owns the item records ([`state`]), the slot and page accounting ([`slots`]), both
+//! shared-memory arenas (embeddings and raw item bytes), the fair wait for capacity
+//! ([`service`]) and the authenticated admin listener ([`admin`]).
 
+pub mod admin;
 mod service;
+pub mod size;
 pub mod slots;
 pub mod state;
+mod view;
 
 use std::path::PathBuf;
 
 pub use service::CacheService;
+pub use size::ByteSize;
+pub use view::ArenaView;
 
-/// Flags of `mmserve embed-cache`.
+/// Flags of `mmserve embed-cache` (and the cache flags of `mmserve serve`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct CacheArgs {
     /// Unix socket to serve on.
     #[arg(long, env = "MMSERVE_CACHE_SOCKET")]
     pub socket: PathBuf,
-    /// Prefix of every shared-memory segment this service creates.
+    /// Prefix of every shared-memory segment of this instance (default: unique per start).
     #[arg(long, env = "MMSERVE_SHM_PREFIX")]
-    pub shm_prefix: String,
-    /// Width of one embedding row (the LLM's hidden size), in f32 values.
+    pub shm_prefix: Option<String>,
+    /// Width of one embedding row (the LLM's hidden size), in values.
     #[arg(long, env = "MMSERVE_EMBED_DIM")]
     pub embed_dim: u32,
-    /// Embedding slots in the arena (one slot holds one row).
-    #[arg(long, env = "MMSERVE_EMBED_CACHE_SLOTS", default_value_t = 65536)]
-    pub embed_cache_slots: u64,
-    /// Maximum number of items held.
+    #[command(flatten)]
+    pub capacity: CapacityArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// How much the cache holds.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CapacityArgs {
+    /// Bytes of the embedding arena; slots = size / (hidden × 4 bytes).
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_SIZE", default_value = "1GiB")]
+    pub embed_cache_size: ByteSize,
+    /// Bytes of raw media kept in shared memory.
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_DATA_SIZE", default_value = "256MiB")]
+    pub embed_cache_data_size: ByteSize,
+    /// Most items held.
     #[arg(long, env = "MMSERVE_EMBED_CACHE_ITEMS", default_value_t = 4096)]
     pub embed_cache_items: u64,
+    /// Largest fraction of the slots one request may use (more is refused with 400).
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_REQUEST_SHARE", default_value_t = 0.5)]
+    pub embed_cache_request_share: f64,
+}
+
+/// The admin listener.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdminArgs {
+    /// Address of the admin listener (loopback unless you mean otherwise; port 0 picks one).
+    #[arg(long, env = "MMSERVE_ADMIN_ADDR", default_value = "127.0.0.1:8001")]
+    pub admin_addr: String,
+    /// Token every admin call must carry. Without a token (here or in a file) the admin
+    /// listener stays off.
+    #[arg(long, env = "MMSERVE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// File holding the admin token (first line).
+    #[arg(long, env = "MMSERVE_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+impl AdminArgs {
+    /// The token from the flag, the variable or the file.
+    pub fn token(&self) -> Result<Option<String>, CacheServiceError> {
+        if let Some(t) = &self.admin_token {
+            return Ok(Some(t.clone()));
+        }
+        let Some(path) = &self.admin_token_file else { return Ok(None) };
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| CacheServiceError::TokenFile { path: path.clone(), source })?;
+        let token = text.lines().next().unwrap_or("").trim().to_string();
+        if token.is_empty() {
+            return Err(CacheServiceError::EmptyToken(path.clone()));
+        }
+        Ok(Some(token))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheServiceError {
     #[error("binding {path}: {source}")]
-    Bind { path: PathBuf, source: std::io::Error },
-    #[error("the arena of {slots} slots × {dim} values does not fit in memory")]
-    ArenaSize { slots: u64, dim: u32 },
+    Bind { path: String, source: std::io::Error },
+    #[error("invalid capacity: {0}")]
+    Capacity(String),
     #[error(transparent)]
     Shm(#[from] mmserve_shm::ShmError),
+    #[error("reading the admin token from {path}: {source}")]
+    TokenFile { path: PathBuf, source: std::io::Error },
+    #[error("the admin token file {0} is empty")]
+    EmptyToken(PathBuf),
 }
 
 /// Runs the service until `shutdown` resolves, then unlinks every segment it created.
 pub async fn run(args: CacheArgs, shutdown: impl Future<Output = ()>) -> Result<(), CacheServiceError> {
+    let removed = mmserve_shm::sweep_dead_instances();
+    if removed > 0 {
+        tracing::info!("removed {removed} shared-memory segments of dead cache instances");
+    }
     let service = CacheService::new(&args)?;
+    let info = service.info().clone();
     let listener = mmserve_protocol::transport::bind(&args.socket)
-        .map_err(|source| CacheServiceError::Bind { path: args.socket.clone(), source })?;
+        .map_err(|source| CacheServiceError::Bind { path: args.socket.display().to_string(), source })?;
+    let admin = match args.admin.token()? {
+        Some(token) => {
+            let listener = admin::bind(&args.admin.admin_addr)
+                .await
+                .map_err(|source| CacheServiceError::Bind { path: args.admin.admin_addr.clone(), source })?;
+            let addr = listener.local_addr().to_string();
+            Some((listener, token, addr))
+        }
+        None => {
+            tracing::info!("no admin token given: the admin listener is off");
+            None
+        }
+    };
     tracing::info!(
-        slots = args.embed_cache_slots,
-        items = args.embed_cache_items,
-        arena = service.arena_name(),
-        "embed-cache ready"
+        slots = info.slots,
+        hidden = info.hidden,
+        items = args.capacity.embed_cache_items,
+        data = %args.capacity.embed_cache_data_size,
+        "embed cache: {} slots of {} values ({}), arena {}",
+        info.slots,
+        info.hidden,
+        args.capacity.embed_cache_size,
+        info.embed_segment
     );
-    mmserve_protocol::ready::announce("embed-cache");
-    let server = mmserve_protocol::EmbedCache::serve(service.clone());
+    let admin_addr = admin.as_ref().map(|a| a.2.clone()).unwrap_or_default();
+    mmserve_protocol::ready::announce_with("embed-cache", &admin_addr);
+    let admin_task = async {
+        match admin {
+            Some((listener, token, _)) => admin::serve(listener, service.clone(), token).await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
-        _ = async move { mmserve_protocol::serve_unix!(listener, server) } => {}
+        _ = service.clone().run_listener(listener) => {}
+        _ = admin_task => {}
         _ = shutdown => {}
     }
     service.shutdown();

@@ -1,83 +1,295 @@
-//! The tarpc face of the cache: one mutex around the state (that mutex is what makes
-//! each `alloc` all-or-nothing across every api process), a notification for data
-//! readiness, and the arena segment.
+//! The tarpc face of the cache.
+//!
+//! One mutex guards the records and the queue of waiting allocs. That mutex is the
+//! global lock of the design: every `alloc`, from any api process, is decided under it,
+//! so each request gets all its items or none and no two requests can each hold part of
+//! what the other needs. Requests that do not fit yet wait in FIFO order holding
+//! nothing; releases hand capacity to the head of the line first, so a large request is
+//! not starved by a stream of small ones.
+//!
+//! Each connection is an owner: its references are released when it closes, so a killed
+//! api process cannot leave items referenced forever.
 
-use std::sync::{Arc, Mutex};
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use mmserve_protocol::cache::ArenaInfo;
-use mmserve_protocol::{AllocItem, CacheError, CacheStats, EmbedCache, ItemRecord};
-use mmserve_shm::Segment;
+use futures::StreamExt;
+use mmserve_protocol::cache::Allocation;
+use mmserve_protocol::{AllocItem, ArenaInfo, CacheError, CacheStats, EmbedCache, ItemRecord};
+use mmserve_shm::{InstanceLock, Segment};
 use tarpc::context::Context;
-use tokio::sync::Notify;
+use tarpc::server::{BaseChannel, Channel};
+use tokio::net::UnixListener;
+use tokio::sync::{Notify, oneshot};
 
-use crate::state::CacheState;
+use crate::state::{CacheState, Limits, Owner, Refusal};
 use crate::{CacheArgs, CacheServiceError};
+
+struct Waiter {
+    ticket: u64,
+    owner: Owner,
+    items: Vec<AllocItem>,
+    tx: oneshot::Sender<Vec<ItemRecord>>,
+}
+
+struct Inner {
+    state: CacheState,
+    queue: VecDeque<Waiter>,
+    /// Owners whose connection closed: nothing may be granted to them any more.
+    gone: HashSet<Owner>,
+}
+
+impl Inner {
+    /// Grants waiting allocs in order while the head fits.
+    fn drain(&mut self) {
+        while let Some(head) = self.queue.front() {
+            if head.tx.is_closed() || self.gone.contains(&head.owner) {
+                self.queue.pop_front();
+                continue;
+            }
+            match self.state.try_alloc(head.owner, &head.items) {
+                Ok(records) => {
+                    let w = self.queue.pop_front().expect("head exists");
+                    if let Err(records) = w.tx.send(records) {
+                        // The waiter gave up a moment ago: take the grant back.
+                        let ids: Vec<u64> = records.iter().map(|r| r.id).collect();
+                        let _ = self.state.release(w.owner, &ids);
+                    }
+                }
+                Err(Refusal::NotNow { .. }) => break,
+                Err(Refusal::Never(_)) => {
+                    // Checked before queueing; capacity does not shrink. Drop it.
+                    self.queue.pop_front();
+                }
+            }
+        }
+    }
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    data_ready: Notify,
+    info: ArenaInfo,
+    /// The arenas and the instance's owner lock; dropped at shutdown.
+    held: Mutex<Option<(Segment, Segment, InstanceLock)>>,
+    next_owner: AtomicU64,
+    next_ticket: AtomicU64,
+}
 
 #[derive(Clone)]
 pub struct CacheService {
-    state: Arc<Mutex<CacheState>>,
-    data_ready: Arc<Notify>,
-    arena: Arc<Mutex<Option<Segment>>>,
-    info: ArenaInfo,
+    shared: Arc<Shared>,
+    owner: Owner,
 }
 
 impl CacheService {
     pub fn new(args: &CacheArgs) -> Result<Self, CacheServiceError> {
-        let bytes = args
-            .embed_cache_slots
-            .checked_mul(u64::from(args.embed_dim) * 4)
-            .and_then(|b| usize::try_from(b).ok())
-            .ok_or(CacheServiceError::ArenaSize { slots: args.embed_cache_slots, dim: args.embed_dim })?;
-        let name = format!("{}-arena", args.shm_prefix);
-        let arena = Segment::create(&name, bytes)?;
+        let cap = &args.capacity;
+        let slot_bytes = u64::from(args.embed_dim) * 4;
+        if slot_bytes == 0 {
+            return Err(CacheServiceError::Capacity("--embed-dim must be positive".into()));
+        }
+        let slots = cap.embed_cache_size.0 / slot_bytes;
+        if slots == 0 {
+            return Err(CacheServiceError::Capacity(format!(
+                "--embed-cache-size {} holds no slot of {slot_bytes} bytes",
+                cap.embed_cache_size
+            )));
+        }
+        if !(cap.embed_cache_request_share > 0.0 && cap.embed_cache_request_share <= 1.0) {
+            return Err(CacheServiceError::Capacity("--embed-cache-request-share must be in (0, 1]".into()));
+        }
+        let limits = Limits {
+            slots,
+            items: cap.embed_cache_items,
+            data_bytes: cap.embed_cache_data_size.0,
+            request_slots: ((slots as f64) * cap.embed_cache_request_share).floor().max(1.0) as u64,
+        };
+        let prefix = args.shm_prefix.clone().unwrap_or_else(default_prefix);
+        let lock = InstanceLock::acquire(&prefix)?;
+        let embed_segment = format!("{prefix}.arena");
+        let data_segment = format!("{prefix}.data");
+        let usize_of = |b: u64| usize::try_from(b).map_err(|_| CacheServiceError::Capacity(format!("{b} bytes")));
+        let arena = Segment::create(&embed_segment, usize_of(slots * slot_bytes)?)?;
+        let data = Segment::create(&data_segment, usize_of(cap.embed_cache_data_size.0)?)?;
+        let info = ArenaInfo {
+            instance: random_u64(),
+            embed_segment,
+            slots,
+            layers: 1,
+            hidden: args.embed_dim,
+            dtype: "float32".into(),
+            data_segment,
+            data_bytes: cap.embed_cache_data_size.0,
+        };
         Ok(CacheService {
-            state: Arc::new(Mutex::new(CacheState::new(
-                args.shm_prefix.clone(),
-                args.embed_cache_slots,
-                args.embed_cache_items,
-            ))),
-            data_ready: Arc::new(Notify::new()),
-            arena: Arc::new(Mutex::new(Some(arena))),
-            info: ArenaInfo { segment: name, slots: args.embed_cache_slots, hidden: args.embed_dim },
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    state: CacheState::new(limits),
+                    queue: VecDeque::new(),
+                    gone: HashSet::new(),
+                }),
+                data_ready: Notify::new(),
+                info,
+                held: Mutex::new(Some((arena, data, lock))),
+                next_owner: AtomicU64::new(1),
+                next_ticket: AtomicU64::new(1),
+            }),
+            owner: 0,
         })
     }
 
-    pub fn arena_name(&self) -> &str {
-        &self.info.segment
+    pub fn info(&self) -> &ArenaInfo {
+        &self.shared.info
     }
 
-    fn with<T>(&self, f: impl FnOnce(&mut CacheState) -> T) -> T {
-        // A panic while holding the lock is a bug; the state is still consistent enough
-        // to keep serving (every mutation validates before it changes anything).
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut guard)
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every mutation validates before it changes anything, so the state is consistent
+        // even if a holder panicked.
+        self.shared.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Unlinks every segment: item data and the arena.
+    pub(crate) fn with_state<T>(&self, f: impl FnOnce(&mut CacheState) -> T) -> T {
+        let mut inner = self.lock();
+        let out = f(&mut inner.state);
+        // Whatever freed capacity goes to the line first.
+        inner.drain();
+        out
+    }
+
+    pub(crate) fn stats_now(&self) -> CacheStats {
+        let inner = self.lock();
+        let mut s = inner.state.stats();
+        s.waiting = inner.queue.len() as u64;
+        s
+    }
+
+    /// Serves one owner per connection until the listener fails.
+    pub async fn run_listener(self, listener: UnixListener) {
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    continue;
+                }
+            };
+            let owner = self.shared.next_owner.fetch_add(1, Ordering::Relaxed);
+            let conn = CacheService { shared: self.shared.clone(), owner };
+            let channel = BaseChannel::with_defaults(mmserve_protocol::transport::server_transport(stream));
+            tokio::spawn(async move {
+                channel
+                    .execute(EmbedCache::serve(conn.clone()))
+                    .for_each(|response| async move {
+                        tokio::spawn(response);
+                    })
+                    .await;
+                conn.connection_closed();
+            });
+        }
+    }
+
+    /// The owner's connection closed: release what it holds, cancel what it waits for.
+    fn connection_closed(&self) {
+        let mut inner = self.lock();
+        inner.gone.insert(self.owner);
+        let released = inner.state.release_owner(self.owner);
+        inner.queue.retain(|w| w.owner != self.owner);
+        inner.drain();
+        if released > 0 {
+            tracing::warn!(owner = self.owner, released, "a client disconnected holding references; released them");
+        }
+    }
+
+    /// Unlinks both arenas and the owner file.
     pub fn shutdown(&self) {
-        self.with(|s| s.clear_all());
-        self.arena.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.shared.held.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 }
 
+fn default_prefix() -> String {
+    format!("mmserve-{}-{:08x}", std::process::id(), random_u64() as u32)
+}
+
+/// A random value from the kernel (no per-process seeded hashing involved).
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        return t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(40);
+    }
+    u64::from_le_bytes(b)
+}
+
 impl EmbedCache for CacheService {
-    async fn alloc(self, _: Context, items: Vec<AllocItem>) -> Result<Vec<ItemRecord>, CacheError> {
-        self.with(|s| s.alloc(&items))
+    async fn alloc(self, _: Context, items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError> {
+        let instance = self.shared.info.instance;
+        let (ticket, mut rx, needed) = {
+            let mut inner = self.lock();
+            if inner.gone.contains(&self.owner) {
+                return Err(CacheError::Disconnected);
+            }
+            // Nobody jumps the line: try now only if nobody waits.
+            let needed = match inner.queue.is_empty() {
+                true => match inner.state.try_alloc(self.owner, &items) {
+                    Ok(records) => return Ok(Allocation { instance, records }),
+                    Err(Refusal::Never(e)) => return Err(e),
+                    Err(Refusal::NotNow { needed_slots, needed_items }) => (needed_slots, needed_items),
+                },
+                false => {
+                    inner.state.check_request(&items)?;
+                    (0, 0)
+                }
+            };
+            if wait_ms == 0 {
+                return Err(CacheError::Full { needed_slots: needed.0, needed_items: needed.1, waited_ms: 0 });
+            }
+            let (tx, rx) = oneshot::channel();
+            let ticket = self.shared.next_ticket.fetch_add(1, Ordering::Relaxed);
+            inner.queue.push_back(Waiter { ticket, owner: self.owner, items, tx });
+            (ticket, rx, needed)
+        };
+        match tokio::time::timeout(Duration::from_millis(wait_ms), &mut rx).await {
+            Ok(Ok(records)) => Ok(Allocation { instance, records }),
+            Ok(Err(_)) => Err(CacheError::Full { needed_slots: needed.0, needed_items: needed.1, waited_ms: wait_ms }),
+            Err(_) => {
+                let mut inner = self.lock();
+                if let Some(pos) = inner.queue.iter().position(|w| w.ticket == ticket) {
+                    inner.queue.remove(pos);
+                    // The next in line may fit where this one did not.
+                    inner.drain();
+                    return Err(CacheError::Full {
+                        needed_slots: needed.0,
+                        needed_items: needed.1,
+                        waited_ms: wait_ms,
+                    });
+                }
+                drop(inner);
+                // Granted just as the wait ran out: take it.
+                rx.try_recv().map(|records| Allocation { instance, records }).map_err(|_| CacheError::Full {
+                    needed_slots: needed.0,
+                    needed_items: needed.1,
+                    waited_ms: wait_ms,
+                })
+            }
+        }
     }
 
     async fn release(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
-        self.with(|s| s.release(&ids))
+        let owner = self.owner;
+        self.with_state(|s| s.release(owner, &ids))
     }
 
     async fn set_items_data(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
-        self.with(|s| s.set_data_ready(&ids))?;
-        self.data_ready.notify_waiters();
+        self.with_state(|s| s.set_data_ready(&ids))?;
+        self.shared.data_ready.notify_waiters();
         Ok(())
     }
 
     async fn get_items_data(self, _: Context, ids: Vec<u64>) -> Result<Vec<bool>, CacheError> {
-        self.with(|s| s.data_ready(&ids))
+        self.lock().state.data_ready(&ids)
     }
 
     async fn wait_items_data(self, _: Context, ids: Vec<u64>, timeout_ms: u64) -> Result<(), CacheError> {
@@ -85,10 +297,10 @@ impl EmbedCache for CacheService {
         loop {
             // Register for the notification before checking, so a wake-up between the
             // check and the wait is not lost.
-            let notified = self.data_ready.notified();
+            let notified = self.shared.data_ready.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.with(|s| s.data_ready(&ids))?.iter().all(|&r| r) {
+            if self.lock().state.data_ready(&ids)?.iter().all(|&r| r) {
                 return Ok(());
             }
             tokio::time::timeout_at(deadline, notified).await.map_err(|_| CacheError::Timeout(timeout_ms))?;
@@ -96,18 +308,18 @@ impl EmbedCache for CacheService {
     }
 
     async fn set_items_embed(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
-        self.with(|s| s.set_embed_ready(&ids))
+        self.lock().state.set_embed_ready(&ids)
     }
 
     async fn get_items_embed(self, _: Context, ids: Vec<u64>) -> Result<Vec<bool>, CacheError> {
-        self.with(|s| s.embed_ready(&ids))
+        self.lock().state.embed_ready(&ids)
     }
 
     async fn arena(self, _: Context) -> ArenaInfo {
-        self.info.clone()
+        self.shared.info.clone()
     }
 
     async fn stats(self, _: Context) -> CacheStats {
-        self.with(|s| s.stats())
+        self.stats_now()
     }
 }

@@ -1,44 +1,82 @@
-//! The cache's records and the rules that govern them.
+//! The cache's records and the rules that govern them (no I/O, no waiting: the service
+//! layer adds those).
 //!
 //! Invariants:
 //! - an item with references is never evicted;
-//! - `alloc` is all-or-nothing: on error nothing is held and nothing was evicted;
+//! - `try_alloc` is all-or-nothing: on refusal nothing is held and nothing was evicted;
+//! - a hit is confirmed by the SHA-256 digest, so inputs with equal md5 never share a record;
 //! - virtual token-id ranges come from a counter and are never reused;
-//! - every record owns its raw-data segment and its slot block; both go when it goes.
+//! - references belong to an owner (a client connection) and all go when it goes;
+//! - every record owns one block of embedding slots and one block of data pages.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-use mmserve_protocol::{AllocItem, CacheError, CacheStats, ItemKey, ItemRecord, Modality, VIRTUAL_TOKEN_BASE};
-use mmserve_shm::Segment;
+use mmserve_protocol::{
+    AdminError, AllocItem, CacheError, CacheStats, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality,
+    VIRTUAL_TOKEN_BASE,
+};
 
 use crate::slots::SlotAllocator;
 
+/// Raw bytes are stored in pages of this size.
+pub const DATA_PAGE: u64 = 4096;
+
+/// A client connection; references are counted per owner.
+pub type Owner = u64;
+
+/// Capacity settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub slots: u64,
+    pub items: u64,
+    pub data_bytes: u64,
+    /// Most slots one request may use (the per-request share of `slots`).
+    pub request_slots: u64,
+}
+
 struct Record {
-    key: ItemKey,
-    #[allow(dead_code)] // listed by the admin RPC (issue "complete embed-cache")
+    digest: ItemDigest,
     modality: Modality,
     token_id: u64,
     token_num: u32,
     start_index: u64,
+    data_page: u64,
+    data_len: u64,
     data_ready: bool,
     embed_ready: bool,
     refs: u32,
     /// Tick of the last use; the key of this record in `lru` while unreferenced.
     last_use: u64,
-    #[allow(dead_code)]
+    last_use_at: Instant,
     created: Instant,
-    data: Segment,
+}
+
+impl Record {
+    fn pages(&self) -> u64 {
+        self.data_len.div_ceil(DATA_PAGE)
+    }
+}
+
+/// Why `try_alloc` refused.
+#[derive(Debug)]
+pub enum Refusal {
+    /// Can never fit: the caller gets this error at once.
+    Never(CacheError),
+    /// Would fit once others release: the caller may wait.
+    NotNow { needed_slots: u64, needed_items: u64 },
 }
 
 pub struct CacheState {
-    shm_prefix: String,
     records: HashMap<u64, Record>,
-    by_key: HashMap<ItemKey, u64>,
+    /// md5 → ids; more than one only for inputs whose md5 collides.
+    by_key: HashMap<ItemKey, Vec<u64>>,
     /// Unreferenced records by last use, oldest first: the eviction order.
     lru: BTreeMap<u64, u64>,
     slots: SlotAllocator,
-    max_items: u64,
+    pages: SlotAllocator,
+    held: HashMap<Owner, HashMap<u64, u32>>,
+    limits: Limits,
     next_id: u64,
     next_token_id: u64,
     tick: u64,
@@ -48,14 +86,15 @@ pub struct CacheState {
 }
 
 impl CacheState {
-    pub fn new(shm_prefix: String, slots: u64, max_items: u64) -> Self {
+    pub fn new(limits: Limits) -> Self {
         CacheState {
-            shm_prefix,
             records: HashMap::new(),
             by_key: HashMap::new(),
             lru: BTreeMap::new(),
-            slots: SlotAllocator::new(slots),
-            max_items,
+            slots: SlotAllocator::new(limits.slots),
+            pages: SlotAllocator::new(limits.data_bytes / DATA_PAGE),
+            held: HashMap::new(),
+            limits,
             next_id: 1,
             next_token_id: VIRTUAL_TOKEN_BASE,
             tick: 0,
@@ -65,69 +104,95 @@ impl CacheState {
         }
     }
 
-    pub fn alloc(&mut self, items: &[AllocItem]) -> Result<Vec<ItemRecord>, CacheError> {
-        // The distinct items this request adds.
-        let mut new: Vec<&AllocItem> = Vec::new();
+    fn find(&self, d: &ItemDigest) -> Option<u64> {
+        self.by_key.get(&d.key)?.iter().copied().find(|id| self.records[id].digest.confirm == d.confirm)
+    }
+
+    /// Refuses at once what can never fit (the error names the limit).
+    pub fn check_request(&self, items: &[AllocItem]) -> Result<(), CacheError> {
+        let mut distinct: Vec<&AllocItem> = Vec::new();
         for item in items {
-            if !self.by_key.contains_key(&item.key) && !new.iter().any(|n| n.key == item.key) {
-                new.push(item);
+            if !distinct.iter().any(|d| d.digest == item.digest) {
+                distinct.push(item);
             }
         }
+        self.check_ever_fits(&distinct)
+    }
+
+    /// Refuses at once what can never fit, whatever else is released.
+    fn check_ever_fits(&self, distinct: &[&AllocItem]) -> Result<(), CacheError> {
+        let slots: u64 = distinct.iter().map(|i| u64::from(i.token_num)).sum();
+        let pages: u64 = distinct.iter().map(|i| i.data_len.div_ceil(DATA_PAGE)).sum();
+        let too_large = |what: &str, needed, limit, flag: &str| {
+            Err(CacheError::TooLarge { what: what.into(), needed, limit, flag: flag.into() })
+        };
+        if distinct.len() as u64 > self.limits.items {
+            return too_large("items", distinct.len() as u64, self.limits.items, "--embed-cache-items");
+        }
+        let share = self.limits.request_slots.min(self.limits.slots);
+        if slots > share {
+            return too_large("embedding slots", slots, share, "--embed-cache-size × --embed-cache-request-share");
+        }
+        if pages > self.pages.total() {
+            return too_large(
+                "bytes of raw media",
+                pages * DATA_PAGE,
+                self.pages.total() * DATA_PAGE,
+                "--embed-cache-data-size",
+            );
+        }
+        Ok(())
+    }
+
+    /// Reserves every item for `owner` now, evicting least recently used unreferenced
+    /// items as far as needed, or refuses and changes nothing.
+    pub fn try_alloc(&mut self, owner: Owner, items: &[AllocItem]) -> Result<Vec<ItemRecord>, Refusal> {
+        let mut distinct: Vec<&AllocItem> = Vec::new();
+        for item in items {
+            if !distinct.iter().any(|d| d.digest == item.digest) {
+                distinct.push(item);
+            }
+        }
+        self.check_ever_fits(&distinct).map_err(Refusal::Never)?;
+        let new: Vec<&AllocItem> = distinct.iter().copied().filter(|i| self.find(&i.digest).is_none()).collect();
         let needed_items = new.len() as u64;
         let needed_slots: u64 = new.iter().map(|i| u64::from(i.token_num)).sum();
-        if needed_items > self.max_items {
-            return Err(CacheError::TooLarge { what: "items".into(), needed: needed_items, limit: self.max_items });
-        }
-        if needed_slots > self.slots.total() {
-            return Err(CacheError::TooLarge {
-                what: "embedding slots".into(),
-                needed: needed_slots,
-                limit: self.slots.total(),
-            });
-        }
 
-        // Plan on a copy of the allocator: evict the least recently used unreferenced
-        // records (not ones this request is about to use) until every new item has a block.
-        let in_request: Vec<u64> = items.iter().filter_map(|i| self.by_key.get(&i.key).copied()).collect();
-        let mut plan = self.slots.clone();
+        // Plan on copies of the allocators: evict the oldest unreferenced records (never
+        // one this request is about to use) until every new item has its blocks.
+        let in_request: Vec<u64> = distinct.iter().filter_map(|i| self.find(&i.digest)).collect();
+        let (mut slots, mut pages) = (self.slots.clone(), self.pages.clone());
         let mut victims = Vec::new();
         let mut candidates = self.lru.values().copied().filter(|id| !in_request.contains(id));
-        let starts = loop {
-            let items_fit = self.records.len() as u64 - victims.len() as u64 + needed_items <= self.max_items;
-            if items_fit {
-                let mut trial = plan.clone();
-                let placed: Option<Vec<u64>> = new.iter().map(|i| trial.alloc(u64::from(i.token_num))).collect();
-                if let Some(starts) = placed {
-                    plan = trial;
-                    break starts;
+        let placed = loop {
+            if self.records.len() as u64 - victims.len() as u64 + needed_items <= self.limits.items {
+                let (mut s, mut p) = (slots.clone(), pages.clone());
+                let placed: Option<Vec<(u64, u64)>> = new
+                    .iter()
+                    .map(|i| Some((s.alloc(u64::from(i.token_num))?, p.alloc(i.data_len.div_ceil(DATA_PAGE))?)))
+                    .collect();
+                if let Some(placed) = placed {
+                    (slots, pages) = (s, p);
+                    break placed;
                 }
             }
-            match candidates.next() {
-                Some(id) => {
-                    let r = &self.records[&id];
-                    plan.release(r.start_index, u64::from(r.token_num));
-                    victims.push(id);
-                }
-                None => return Err(CacheError::Full { needed_slots, needed_items }),
-            }
+            let Some(id) = candidates.next() else {
+                return Err(Refusal::NotNow { needed_slots, needed_items });
+            };
+            let r = &self.records[&id];
+            slots.release(r.start_index, u64::from(r.token_num));
+            pages.release(r.data_page, r.pages());
+            victims.push(id);
         };
-
-        // Create the data segments before changing anything, so a failure holds nothing.
-        let first_id = self.next_id;
-        let mut segments = Vec::with_capacity(new.len());
-        for (n, item) in new.iter().enumerate() {
-            let name = format!("{}-d{}", self.shm_prefix, first_id + n as u64);
-            let size = usize::try_from(item.data_len).map_err(|_| CacheError::SharedMemory("item too large".into()))?;
-            segments.push(Segment::create(&name, size).map_err(|e| CacheError::SharedMemory(e.to_string()))?);
-        }
 
         for id in victims {
             self.remove(id);
             self.evictions += 1;
         }
-        self.slots = plan;
+        (self.slots, self.pages) = (slots, pages);
         let now = Instant::now();
-        for ((item, start), data) in new.iter().zip(starts).zip(segments) {
+        let mut created = Vec::with_capacity(new.len());
+        for (item, (start_index, data_page)) in new.iter().zip(placed) {
             let id = self.next_id;
             self.next_id += 1;
             let token_id = self.next_token_id;
@@ -135,94 +200,123 @@ impl CacheState {
             self.records.insert(
                 id,
                 Record {
-                    key: item.key,
+                    digest: item.digest,
                     modality: item.modality,
                     token_id,
                     token_num: item.token_num,
-                    start_index: start,
+                    start_index,
+                    data_page,
+                    data_len: item.data_len,
                     data_ready: false,
                     embed_ready: false,
                     refs: 0,
                     last_use: 0,
+                    last_use_at: now,
                     created: now,
-                    data,
                 },
             );
-            self.by_key.insert(item.key, id);
+            self.by_key.entry(item.digest.key).or_default().push(id);
+            created.push(id);
         }
 
         // One reference per requested item; the creator of a record writes its data.
         let mut out = Vec::with_capacity(items.len());
-        let mut writers_assigned: Vec<u64> = Vec::new();
         for item in items {
-            let id = self.by_key[&item.key];
-            let is_new = new.iter().any(|n| n.key == item.key);
-            let write_data = is_new && !writers_assigned.contains(&id);
-            if write_data {
-                writers_assigned.push(id);
+            let id = self.find(&item.digest).expect("every item has a record now");
+            let write_data = if let Some(pos) = created.iter().position(|&c| c == id) {
+                created.swap_remove(pos);
                 self.misses += 1;
+                true
             } else {
                 self.hits += 1;
-            }
-            self.touch(id, 1);
+                false
+            };
+            self.touch(id);
+            *self.held.entry(owner).or_default().entry(id).or_default() += 1;
             let r = &self.records[&id];
             out.push(ItemRecord {
                 id,
-                key: r.key,
+                key: r.digest.key,
                 token_id: r.token_id,
                 token_num: r.token_num,
                 start_index: r.start_index,
                 data_ready: r.data_ready,
                 embed_ready: r.embed_ready,
-                data_segment: r.data.name().to_string(),
-                data_len: r.data.len() as u64,
+                data_offset: r.data_page * DATA_PAGE,
+                data_len: r.data_len,
                 write_data,
             });
         }
         Ok(out)
     }
 
-    /// Adds `delta` references and marks the record used now.
-    fn touch(&mut self, id: u64, delta: u32) {
+    /// Adds a reference and marks the record used now.
+    fn touch(&mut self, id: u64) {
         self.tick += 1;
-        let tick = self.tick;
         let r = self.records.get_mut(&id).expect("touched record exists");
         if r.refs == 0 {
             self.lru.remove(&r.last_use);
         }
-        r.refs += delta;
-        r.last_use = tick;
+        r.refs += 1;
+        r.last_use = self.tick;
+        r.last_use_at = Instant::now();
     }
 
-    pub fn release(&mut self, ids: &[u64]) -> Result<(), CacheError> {
-        // Validate everything first so that a bad id releases nothing.
+    /// Drops one reference per id held by `owner`; refuses all if any is not held.
+    pub fn release(&mut self, owner: Owner, ids: &[u64]) -> Result<(), CacheError> {
         let mut counts: HashMap<u64, u32> = HashMap::new();
         for &id in ids {
             *counts.entry(id).or_default() += 1;
         }
+        let held = self.held.get(&owner);
         for (&id, &n) in &counts {
-            let r = self.records.get(&id).ok_or(CacheError::UnknownItem(id))?;
-            if r.refs < n {
+            if !self.records.contains_key(&id) {
+                return Err(CacheError::UnknownItem(id));
+            }
+            if held.and_then(|h| h.get(&id)).copied().unwrap_or(0) < n {
                 return Err(CacheError::NotReferenced(id));
             }
         }
         for (id, n) in counts {
-            self.tick += 1;
-            let tick = self.tick;
-            let r = self.records.get_mut(&id).expect("validated");
-            r.refs -= n;
-            r.last_use = tick;
-            if r.refs == 0 {
-                if r.data_ready {
-                    self.lru.insert(tick, id);
-                } else {
-                    // Its writer gave up before writing: nobody else can, so drop it now
-                    // and let the next request for these bytes start afresh.
-                    self.remove(id);
-                }
-            }
+            self.unref(owner, id, n);
         }
         Ok(())
+    }
+
+    /// Releases everything `owner` holds (its connection closed); returns how many references.
+    pub fn release_owner(&mut self, owner: Owner) -> u64 {
+        let held: Vec<(u64, u32)> =
+            self.held.get(&owner).map(|h| h.iter().map(|(&id, &n)| (id, n)).collect()).unwrap_or_default();
+        held.iter().for_each(|&(id, n)| self.unref(owner, id, n));
+        held.iter().map(|&(_, n)| u64::from(n)).sum()
+    }
+
+    fn unref(&mut self, owner: Owner, id: u64, n: u32) {
+        if let Some(h) = self.held.get_mut(&owner) {
+            let c = h.get_mut(&id).expect("validated");
+            *c -= n;
+            if *c == 0 {
+                h.remove(&id);
+            }
+            if h.is_empty() {
+                self.held.remove(&owner);
+            }
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let r = self.records.get_mut(&id).expect("validated");
+        r.refs -= n;
+        r.last_use = tick;
+        r.last_use_at = Instant::now();
+        if r.refs == 0 {
+            if r.data_ready {
+                self.lru.insert(tick, id);
+            } else {
+                // Its writer gave up before writing: nobody else can, so drop it now and
+                // let the next request for these bytes start afresh.
+                self.remove(id);
+            }
+        }
     }
 
     fn remove(&mut self, id: u64) {
@@ -230,9 +324,14 @@ impl CacheState {
             if r.refs == 0 {
                 self.lru.remove(&r.last_use);
             }
-            self.by_key.remove(&r.key);
+            if let Some(ids) = self.by_key.get_mut(&r.digest.key) {
+                ids.retain(|&x| x != id);
+                if ids.is_empty() {
+                    self.by_key.remove(&r.digest.key);
+                }
+            }
             self.slots.release(r.start_index, u64::from(r.token_num));
-            // Dropping `r.data` unlinks the raw-data segment.
+            self.pages.release(r.data_page, r.pages());
         }
     }
 
@@ -242,17 +341,13 @@ impl CacheState {
 
     pub fn set_data_ready(&mut self, ids: &[u64]) -> Result<(), CacheError> {
         ids.iter().try_for_each(|&id| self.get_mut(id).map(|_| ()))?;
-        for &id in ids {
-            self.get_mut(id)?.data_ready = true;
-        }
+        ids.iter().for_each(|id| self.records.get_mut(id).expect("checked").data_ready = true);
         Ok(())
     }
 
     pub fn set_embed_ready(&mut self, ids: &[u64]) -> Result<(), CacheError> {
         ids.iter().try_for_each(|&id| self.get_mut(id).map(|_| ()))?;
-        for &id in ids {
-            self.get_mut(id)?.embed_ready = true;
-        }
+        ids.iter().for_each(|id| self.records.get_mut(id).expect("checked").embed_ready = true);
         Ok(())
     }
 
@@ -267,122 +362,98 @@ impl CacheState {
     pub fn stats(&self) -> CacheStats {
         CacheStats {
             items: self.records.len() as u64,
-            max_items: self.max_items,
+            max_items: self.limits.items,
             slots_total: self.slots.total(),
             slots_used: self.slots.used(),
+            largest_free_block: self.slots.largest_free_block(),
             references: self.records.values().map(|r| u64::from(r.refs)).sum(),
             hits: self.hits,
             misses: self.misses,
             evictions: self.evictions,
-            data_bytes: self.records.values().map(|r| r.data.len() as u64).sum(),
+            data_bytes: self.records.values().map(|r| r.data_len).sum(),
+            data_bytes_total: self.pages.total() * DATA_PAGE,
+            waiting: 0,
         }
     }
 
-    /// Drops every record (unlinking their segments); used at shutdown.
-    pub fn clear_all(&mut self) {
-        self.records.clear();
-        self.by_key.clear();
-        self.lru.clear();
-        self.slots = SlotAllocator::new(self.slots.total());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn item(b: u8, tokens: u32) -> AllocItem {
-        AllocItem { key: ItemKey([b; 16]), modality: Modality::Image, token_num: tokens, data_len: 4 }
-    }
-
-    fn state(slots: u64, items: u64) -> CacheState {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        CacheState::new(format!("mmserve-test-{}-{n}", std::process::id()), slots, items)
+    /// Items, most recently used first.
+    pub fn list(&self) -> Vec<ItemInfo> {
+        let now = Instant::now();
+        let mut v: Vec<(&u64, &Record)> = self.records.iter().collect();
+        v.sort_by_key(|(_, r)| std::cmp::Reverse(r.last_use));
+        v.into_iter()
+            .map(|(_, r)| ItemInfo {
+                digest: r.digest.key,
+                modality: r.modality,
+                start_slot: r.start_index,
+                slots: r.token_num,
+                references: r.refs,
+                data_bytes: r.data_len,
+                embed_ready: r.embed_ready,
+                idle_ms: now.duration_since(r.last_use_at).as_millis() as u64,
+                age_ms: now.duration_since(r.created).as_millis() as u64,
+            })
+            .collect()
     }
 
-    fn ready(s: &mut CacheState, recs: &[ItemRecord]) {
-        let ids: Vec<u64> = recs.iter().map(|r| r.id).collect();
-        s.set_data_ready(&ids).unwrap();
-    }
-
-    #[test]
-    fn hits_share_a_record_and_token_ranges_are_never_reused() {
-        let mut s = state(100, 10);
-        let a = s.alloc(&[item(1, 10), item(1, 10)]).unwrap();
-        assert_eq!(a[0].id, a[1].id);
-        assert!(a[0].write_data && !a[1].write_data, "one writer per new record");
-        ready(&mut s, &a);
-        s.release(&[a[0].id, a[1].id]).unwrap();
-        let b = s.alloc(&[item(1, 10)]).unwrap();
-        assert_eq!(b[0].token_id, a[0].token_id, "a hit keeps its range");
-        assert!(!b[0].write_data && b[0].data_ready);
-        ready(&mut s, &b);
-        s.release(&[b[0].id]).unwrap();
-        // Evict it by filling the cache, then bring it back: a fresh range.
-        let c = s.alloc(&[item(2, 100)]).unwrap();
-        ready(&mut s, &c);
-        s.release(&[c[0].id]).unwrap();
-        let d = s.alloc(&[item(1, 10)]).unwrap();
-        assert!(d[0].token_id >= c[0].token_id + 100);
-        assert_eq!(s.stats().evictions, 2);
-    }
-
-    #[test]
-    fn referenced_items_are_never_evicted_and_full_holds_nothing() {
-        let mut s = state(100, 10);
-        let a = s.alloc(&[item(1, 60)]).unwrap();
-        ready(&mut s, &a);
-        let before = s.stats();
-        assert!(matches!(s.alloc(&[item(2, 30), item(3, 30)]), Err(CacheError::Full { .. })));
-        let after = s.stats();
-        assert_eq!(
-            (before.items, before.references, before.slots_used),
-            (after.items, after.references, after.slots_used)
-        );
-        s.release(&[a[0].id]).unwrap();
-        let b = s.alloc(&[item(2, 30), item(3, 30)]).unwrap();
-        assert_eq!(b.len(), 2);
-        assert_eq!(s.stats().evictions, 1);
-    }
-
-    #[test]
-    fn eviction_is_lru_and_only_as_much_as_needed() {
-        let mut s = state(30, 10);
-        for b in 1..=3 {
-            let r = s.alloc(&[item(b, 10)]).unwrap();
-            ready(&mut s, &r);
-            s.release(&[r[0].id]).unwrap();
+    /// Evicts the item(s) with this md5; refused if any is referenced.
+    pub fn evict(&mut self, key: ItemKey) -> Result<u64, AdminError> {
+        let ids = self.by_key.get(&key).cloned().ok_or(AdminError::NotFound(key))?;
+        if let Some(r) = ids.iter().map(|id| &self.records[id]).find(|r| r.refs > 0) {
+            return Err(AdminError::Referenced { digest: key, references: r.refs });
         }
-        // Use item 1 again so item 2 is now the oldest.
-        let r = s.alloc(&[item(1, 10)]).unwrap();
-        s.release(&[r[0].id]).unwrap();
-        s.alloc(&[item(4, 10)]).unwrap();
-        assert_eq!(s.stats().evictions, 1);
-        assert!(s.by_key.contains_key(&ItemKey([1; 16])));
-        assert!(!s.by_key.contains_key(&ItemKey([2; 16])));
-        assert!(s.by_key.contains_key(&ItemKey([3; 16])));
+        ids.iter().for_each(|&id| self.remove(id));
+        self.evictions += ids.len() as u64;
+        Ok(ids.len() as u64)
     }
 
-    #[test]
-    fn too_large_and_bad_release() {
-        let mut s = state(10, 2);
-        assert!(matches!(s.alloc(&[item(1, 11)]), Err(CacheError::TooLarge { .. })));
-        assert!(matches!(s.alloc(&[item(1, 1), item(2, 1), item(3, 1)]), Err(CacheError::TooLarge { .. })));
-        let a = s.alloc(&[item(1, 1)]).unwrap();
-        assert!(matches!(s.release(&[a[0].id, a[0].id]), Err(CacheError::NotReferenced(_))));
-        assert_eq!(s.stats().references, 1, "a refused release releases nothing");
-        assert!(matches!(s.release(&[999]), Err(CacheError::UnknownItem(999))));
+    /// Evicts every unreferenced item.
+    pub fn clear_unreferenced(&mut self) -> u64 {
+        let ids: Vec<u64> = self.lru.values().copied().collect();
+        ids.iter().for_each(|&id| self.remove(id));
+        self.evictions += ids.len() as u64;
+        ids.len() as u64
     }
 
-    #[test]
-    fn a_record_whose_writer_left_is_dropped() {
-        let mut s = state(10, 2);
-        let a = s.alloc(&[item(1, 5)]).unwrap();
-        let seg = a[0].data_segment.clone();
-        assert_eq!(mmserve_shm::list_with_prefix(&seg), vec![seg.clone()]);
-        s.release(&[a[0].id]).unwrap();
-        assert_eq!(s.stats().items, 0);
-        assert!(mmserve_shm::list_with_prefix(&seg).is_empty(), "its segment is unlinked");
+    /// Checks the accounting (tests): allocators consistent, free + used = total, every
+    /// record's blocks disjoint, references equal what owners hold, LRU = unreferenced.
+    pub fn check(&self) -> Result<(), String> {
+        self.slots.check()?;
+        self.pages.check()?;
+        let used_slots: u64 = self.records.values().map(|r| u64::from(r.token_num)).sum();
+        let used_pages: u64 = self.records.values().map(Record::pages).sum();
+        if used_slots != self.slots.used() || used_pages != self.pages.used() {
+            return Err(format!(
+                "records use {used_slots} slots / {used_pages} pages, allocators say {} / {}",
+                self.slots.used(),
+                self.pages.used()
+            ));
+        }
+        let mut blocks: Vec<(u64, u64)> = self
+            .records
+            .values()
+            .filter(|r| r.token_num > 0)
+            .map(|r| (r.start_index, u64::from(r.token_num)))
+            .collect();
+        blocks.sort();
+        if blocks.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err("slot blocks overlap".into());
+        }
+        for (id, r) in &self.records {
+            let owned: u32 = self.held.values().filter_map(|h| h.get(id)).sum();
+            if owned != r.refs {
+                return Err(format!("record {id} has {} refs but owners hold {owned}", r.refs));
+            }
+            if (r.refs == 0) != (self.lru.get(&r.last_use) == Some(id)) {
+                return Err(format!("record {id}: LRU membership disagrees with refs {}", r.refs));
+            }
+        }
+        if self.lru.len() != self.records.values().filter(|r| r.refs == 0).count() {
+            return Err("LRU holds records that are gone".into());
+        }
+        if self.records.len() as u64 > self.limits.items {
+            return Err("more records than the item limit".into());
+        }
+        Ok(())
     }
 }

@@ -12,7 +12,7 @@ mod worker;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use mmserve_protocol::EmbedCacheClient;
+use mmserve_protocol::reconnect::CacheConnection;
 
 pub use service::EncoderService;
 
@@ -59,15 +59,12 @@ pub enum EncoderServiceError {
 /// How long connecting to a sibling service may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub async fn connect_cache(path: &std::path::Path) -> Result<EmbedCacheClient, String> {
-    let transport = mmserve_protocol::transport::connect(path, CONNECT_TIMEOUT).await.map_err(|e| e.to_string())?;
-    Ok(EmbedCacheClient::new(Default::default(), transport).spawn())
-}
-
 /// Loads the model, connects to the cache, serves until `shutdown` resolves.
 pub async fn run(args: EncoderArgs, shutdown: impl Future<Output = ()>) -> Result<(), EncoderServiceError> {
-    let cache = connect_cache(&args.cache_socket).await.map_err(EncoderServiceError::Cache)?;
-    let service = EncoderService::start(&args, cache).await?;
+    let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
+    let service = EncoderService::start(&args, std::sync::Arc::new(cache)).await?;
     let listener = mmserve_protocol::transport::bind(&args.socket)
         .map_err(|source| EncoderServiceError::Bind { path: args.socket.clone(), source })?;
     mmserve_protocol::ready::announce("encoder");

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use mmserve_protocol::{EmbedCacheClient, EncodeItem, Encoder, EncoderError, EncoderStats, deadline};
+use mmserve_protocol::reconnect::CacheConnection;
+use mmserve_protocol::{EncodeItem, Encoder, EncoderError, EncoderStats, deadline};
 use tarpc::context::Context;
 use tokio::sync::{mpsc, oneshot};
 
@@ -43,12 +44,12 @@ impl Shared {
 pub struct EncoderService {
     shared: Arc<Shared>,
     queue: mpsc::Sender<Job>,
-    cache: EmbedCacheClient,
+    cache: Arc<CacheConnection>,
     timeout: Duration,
 }
 
 impl EncoderService {
-    pub async fn start(args: &EncoderArgs, cache: EmbedCacheClient) -> Result<Self, EncoderServiceError> {
+    pub async fn start(args: &EncoderArgs, cache: Arc<CacheConnection>) -> Result<Self, EncoderServiceError> {
         let shared =
             Arc::new(Shared { inflight: Mutex::new(HashMap::new()), stats: Mutex::new(EncoderStats::default()) });
         let timeout = Duration::from_millis(args.timeout_ms);
@@ -68,11 +69,12 @@ impl EncoderService {
 impl Encoder for EncoderService {
     async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
         let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
+        let t = self.timeout;
         let ready = self
             .cache
-            .get_items_embed(deadline(self.timeout), ids)
+            .call(|c| async move { c.get_items_embed(deadline(t), ids).await })
             .await
-            .map_err(|e| EncoderError::Internal(format!("embed cache: {e}")))?
+            .map_err(|e| EncoderError::Internal(e.to_string()))?
             .map_err(|e| EncoderError::Internal(e.to_string()))?;
         let mut waits = Vec::new();
         for (index, (item, ready)) in items.into_iter().zip(ready).enumerate() {

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use mmserve_config::ModelDir;
+use mmserve_embed_cache::ArenaView;
 use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
 use mmserve_models::LlavaVision;
-use mmserve_protocol::{EmbedCacheClient, EncodeItem, deadline};
-use mmserve_shm::Segment;
+use mmserve_protocol::reconnect::CacheConnection;
+use mmserve_protocol::{EncodeItem, RpcFailure, deadline};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
@@ -24,18 +25,21 @@ pub(crate) struct Worker {
     vision: LlavaVision,
     processor: ClipImageProcessor,
     limits: ImageLimits,
-    arena: Segment,
-    hidden: usize,
-    cache: EmbedCacheClient,
+    arena: ArenaView,
+    cache: Arc<CacheConnection>,
     shared: Arc<Shared>,
     max_batch: usize,
     timeout: Duration,
 }
 
+fn internal(e: impl std::fmt::Display) -> ItemFailure {
+    ItemFailure::Internal(e.to_string())
+}
+
 impl Worker {
     pub(crate) async fn load(
         args: &EncoderArgs,
-        cache: EmbedCacheClient,
+        cache: Arc<CacheConnection>,
         shared: Arc<Shared>,
     ) -> Result<Self, EncoderServiceError> {
         let dir = ModelDir::open(&args.model)?;
@@ -47,17 +51,15 @@ impl Worker {
             return Err(EncoderServiceError::SizeMismatch { got: h.max(w), want: vision.image_size() });
         }
         let info = cache
-            .arena(deadline(crate::CONNECT_TIMEOUT))
+            .call(|c| async move { c.arena(deadline(crate::CONNECT_TIMEOUT)).await })
             .await
             .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
-        let hidden = info.hidden as usize;
-        let arena = Segment::open(&info.segment, info.slots as usize * hidden * 4)?;
+        let arena = ArenaView::open(&info)?;
         Ok(Worker {
             vision,
             processor,
             limits: ImageLimits::default(),
             arena,
-            hidden,
             cache,
             shared,
             max_batch: args.max_batch.max(1),
@@ -66,7 +68,7 @@ impl Worker {
     }
 
     /// Runs until every sender of the queue is gone.
-    pub(crate) fn run(self, mut rx: mpsc::Receiver<Job>, rt: Handle) {
+    pub(crate) fn run(mut self, mut rx: mpsc::Receiver<Job>, rt: Handle) {
         while let Some(first) = rx.blocking_recv() {
             let mut batch = vec![first.item];
             while batch.len() < self.max_batch {
@@ -79,24 +81,48 @@ impl Worker {
         }
     }
 
-    fn encode_batch(&self, batch: Vec<EncodeItem>, rt: &Handle) {
+    /// Maps the arenas of `instance` if they are not the ones mapped (the cache restarted).
+    fn ensure_instance(&mut self, instance: u64, rt: &Handle) -> Result<(), ItemFailure> {
+        if self.arena.info.instance == instance {
+            return Ok(());
+        }
+        let t = self.timeout;
+        let info = rt.block_on(self.cache.call(|c| async move { c.arena(deadline(t)).await })).map_err(internal)?;
+        if info.instance != instance {
+            return Err(internal("the embed cache restarted while the request was in flight; retry it"));
+        }
+        self.arena = ArenaView::open(&info).map_err(internal)?;
+        Ok(())
+    }
+
+    fn encode_batch(&mut self, batch: Vec<EncodeItem>, rt: &Handle) {
+        let mut current = Vec::with_capacity(batch.len());
+        for item in batch {
+            match self.ensure_instance(item.cache_instance, rt) {
+                Ok(()) => current.push(item),
+                Err(f) => self.shared.finish(item.id, Err(f)),
+            }
+        }
+        let batch = current;
+        if batch.is_empty() {
+            return;
+        }
         let ids: Vec<u64> = batch.iter().map(|i| i.id).collect();
-        let timeout_ms = self.timeout.as_millis() as u64;
+        let (t, timeout_ms) = (self.timeout, self.timeout.as_millis() as u64);
         // The request that created an item may still be writing its bytes.
-        let waited = rt.block_on(self.cache.wait_items_data(
-            deadline(self.timeout + Duration::from_secs(1)),
-            ids.clone(),
-            timeout_ms,
-        ));
+        let wait_ids = ids.clone();
+        let waited = rt.block_on(self.cache.call(|c| async move {
+            c.wait_items_data(deadline(t + Duration::from_secs(1)), wait_ids, timeout_ms).await
+        }));
         let ready = match waited {
-            Ok(Ok(())) => rt.block_on(self.cache.get_items_embed(deadline(self.timeout), ids.clone())),
-            Ok(Err(e)) => return self.fail_all(&batch, ItemFailure::Internal(format!("item data: {e}"))),
-            Err(e) => return self.fail_all(&batch, ItemFailure::Internal(format!("embed cache: {e}"))),
+            Ok(Ok(())) => rt.block_on(self.cache.call(|c| async move { c.get_items_embed(deadline(t), ids).await })),
+            Ok(Err(e)) => return self.fail_all(&batch, internal(format!("item data: {e}"))),
+            Err(e) => return self.fail_all(&batch, internal(e)),
         };
         let ready = match ready {
             Ok(Ok(r)) => r,
-            Ok(Err(e)) => return self.fail_all(&batch, ItemFailure::Internal(e.to_string())),
-            Err(e) => return self.fail_all(&batch, ItemFailure::Internal(format!("embed cache: {e}"))),
+            Ok(Err(e)) => return self.fail_all(&batch, internal(e)),
+            Err(e) => return self.fail_all(&batch, internal(e)),
         };
 
         // Preprocess what still needs encoding; bad items fail alone.
@@ -118,55 +144,48 @@ impl Worker {
         if todo.is_empty() {
             return;
         }
-        match self.run_tower(&todo, pixels) {
-            Ok(()) => {
-                let ids: Vec<u64> = todo.iter().map(|i| i.id).collect();
-                match rt.block_on(self.cache.set_items_embed(deadline(self.timeout), ids)) {
-                    Ok(Ok(())) => {
-                        let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-                        stats.items_encoded += todo.len() as u64;
-                        stats.batches += 1;
-                        stats.largest_batch = stats.largest_batch.max(todo.len() as u64);
-                        drop(stats);
-                        todo.iter().for_each(|i| self.shared.finish(i.id, Ok(())));
-                    }
-                    Ok(Err(e)) => self.fail_all(&todo, ItemFailure::Internal(e.to_string())),
-                    Err(e) => self.fail_all(&todo, ItemFailure::Internal(format!("embed cache: {e}"))),
-                }
+        if let Err(f) = self.run_tower(&todo, pixels) {
+            return self.fail_all(&todo, f);
+        }
+        let ids: Vec<u64> = todo.iter().map(|i| i.id).collect();
+        match rt.block_on(self.cache.call(|c| async move { c.set_items_embed(deadline(t), ids).await })) {
+            Ok(Ok(())) => {
+                let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+                stats.items_encoded += todo.len() as u64;
+                stats.batches += 1;
+                stats.largest_batch = stats.largest_batch.max(todo.len() as u64);
+                drop(stats);
+                todo.iter().for_each(|i| self.shared.finish(i.id, Ok(())));
             }
-            Err(f) => self.fail_all(&todo, f),
+            Ok(Err(e)) => self.fail_all(&todo, internal(e)),
+            Err(e @ RpcFailure { .. }) => self.fail_all(&todo, internal(e)),
         }
     }
 
     fn preprocess(&self, item: &EncodeItem) -> Result<Vec<f32>, ItemFailure> {
-        let seg = Segment::open(&item.data_segment, item.data_len as usize)
-            .map_err(|e| ItemFailure::Internal(e.to_string()))?;
-        let mut bytes = vec![0u8; item.data_len as usize];
-        seg.read(0, &mut bytes).map_err(|e| ItemFailure::Internal(e.to_string()))?;
+        let bytes = self.arena.read_data(item.data_offset, item.data_len).map_err(internal)?;
         let img = decode_image(&bytes, &self.limits).map_err(|e| ItemFailure::Bad(e.to_string()))?;
         self.processor.preprocess(&img).map_err(|e| ItemFailure::Bad(e.to_string()))
     }
 
     fn run_tower(&self, items: &[EncodeItem], pixels: Vec<f32>) -> Result<(), ItemFailure> {
-        let internal = |e: &dyn std::fmt::Display| ItemFailure::Internal(e.to_string());
         let s = self.vision.image_size();
-        let input = Tensor::from_vec(pixels, (items.len(), 3, s, s), &Device::Cpu).map_err(|e| internal(&e))?;
-        let out = self.vision.encode(&input).map_err(|e| internal(&e))?;
-        let rows = out.to_dtype(DType::F32).and_then(|t| t.to_vec3::<f32>()).map_err(|e| internal(&e))?;
+        let input = Tensor::from_vec(pixels, (items.len(), 3, s, s), &Device::Cpu).map_err(internal)?;
+        let out = self.vision.encode(&input).map_err(internal)?;
+        let rows = out.to_dtype(DType::F32).and_then(|t| t.to_vec3::<f32>()).map_err(internal)?;
         for (item, rows) in items.iter().zip(rows) {
             if rows.len() != item.token_num as usize {
-                return Err(ItemFailure::Internal(format!(
+                return Err(internal(format!(
                     "the tower made {} rows for an item of {} tokens",
                     rows.len(),
                     item.token_num
                 )));
             }
             let flat: Vec<f32> = rows.into_iter().flatten().collect();
-            if flat.len() != item.token_num as usize * self.hidden {
-                return Err(ItemFailure::Internal("embedding width differs from the arena's".into()));
+            if flat.len() != item.token_num as usize * self.arena.row_len() {
+                return Err(internal("embedding width differs from the arena's"));
             }
-            let offset = item.start_index as usize * self.hidden * 4;
-            self.arena.write_f32(offset, &flat).map_err(|e| internal(&e))?;
+            self.arena.write_rows(item.start_index, &flat).map_err(internal)?;
         }
         Ok(())
     }

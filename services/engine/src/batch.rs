@@ -13,13 +13,17 @@ use mmserve_models::{KvCache, Llama, SeqInput};
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
-use crate::inputs::{Arena, embed_prompt};
+use mmserve_embed_cache::ArenaView;
+
+use crate::inputs::embed_prompt;
 use crate::outbox::Outbox;
 use crate::sampler::{Rng, sample};
 
 pub enum Command {
     Submit(Box<GenerateRequest>),
     Abort(u64),
+    /// The embed cache restarted: read rows from its new arenas from now on.
+    Remap(Box<ArenaView>),
 }
 
 struct Sequence {
@@ -34,7 +38,7 @@ struct Sequence {
 pub struct Batcher {
     pub model: Llama,
     pub tokenizer: TextTokenizer,
-    pub arena: Arena,
+    pub arena: ArenaView,
     pub outbox: Arc<Outbox>,
     pub max_running: usize,
     pub counts: Arc<crate::service::Counts>,
@@ -42,7 +46,7 @@ pub struct Batcher {
 
 impl Batcher {
     /// Runs until the command channel closes.
-    pub fn run(self, commands: Receiver<Command>) {
+    pub fn run(mut self, commands: Receiver<Command>) {
         let mut waiting: VecDeque<GenerateRequest> = VecDeque::new();
         let mut running: Vec<Sequence> = Vec::new();
         loop {
@@ -79,9 +83,21 @@ impl Batcher {
         }
     }
 
-    fn apply(&self, cmd: Command, waiting: &mut VecDeque<GenerateRequest>, running: &mut Vec<Sequence>) {
+    fn apply(&mut self, cmd: Command, waiting: &mut VecDeque<GenerateRequest>, running: &mut Vec<Sequence>) {
         match cmd {
             Command::Submit(req) => waiting.push_back(*req),
+            Command::Remap(view) => {
+                self.arena = *view;
+                // Requests not yet prefilled refer to the old arenas: they cannot run.
+                let instance = self.arena.info.instance;
+                let (keep, stale): (VecDeque<_>, VecDeque<_>) =
+                    std::mem::take(waiting).into_iter().partition(|r| r.cache_instance == instance);
+                *waiting = keep;
+                for req in stale {
+                    let reason = FinishReason::Error("the embed cache restarted; retry the request".into());
+                    self.outbox.push(req.client, [finish_event(req.id, reason)]);
+                }
+            }
             Command::Abort(id) => {
                 let client = if let Some(pos) = waiting.iter().position(|r| r.id == id) {
                     waiting.remove(pos).map(|r| r.client)

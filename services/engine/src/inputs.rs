@@ -2,15 +2,9 @@
 //! the arena, found by virtual token id (`arena[start_index + (id - token_id)]`).
 
 use candle_core::{Device, Tensor};
+use mmserve_embed_cache::ArenaView;
 use mmserve_models::Llama;
 use mmserve_protocol::{EngineError, GenerateRequest, ItemSpan};
-use mmserve_shm::Segment;
-
-/// The shared-memory arena, read-only from here.
-pub struct Arena {
-    pub segment: Segment,
-    pub hidden: usize,
-}
 
 /// Where one prompt position's row comes from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,7 +49,7 @@ fn source(id: u64, vocab: usize, items: &[ItemSpan]) -> Result<Source, EngineErr
 }
 
 /// Embeddings [ids.len(), hidden] for prompt ids (validated by [`validate`]).
-pub fn embed_prompt(model: &Llama, arena: &Arena, ids: &[u64], items: &[ItemSpan]) -> Result<Tensor, String> {
+pub fn embed_prompt(model: &Llama, arena: &ArenaView, ids: &[u64], items: &[ItemSpan]) -> Result<Tensor, String> {
     let vocab = model.config().vocab_size;
     let sources: Vec<Source> =
         ids.iter().map(|&id| source(id, vocab, items).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
@@ -72,16 +66,13 @@ pub fn embed_prompt(model: &Llama, arena: &Arena, ids: &[u64], items: &[ItemSpan
             let run: Vec<u32> = sources[i..j].iter().map(|s| if let Source::Text(t) = s { *t } else { 0 }).collect();
             model.embed_tokens(&run).map_err(|e| e.to_string())?
         } else {
-            let mut rows = vec![0f32; (j - i) * arena.hidden];
+            let width = arena.row_len();
+            let mut rows = vec![0f32; (j - i) * width];
             for (k, s) in sources[i..j].iter().enumerate() {
                 let Source::Slot(slot) = *s else { unreachable!("run of slots") };
-                let offset = slot as usize * arena.hidden * 4;
-                arena
-                    .segment
-                    .read_f32(offset, &mut rows[k * arena.hidden..(k + 1) * arena.hidden])
-                    .map_err(|e| e.to_string())?;
+                arena.read_rows(slot, &mut rows[k * width..(k + 1) * width]).map_err(|e| e.to_string())?;
             }
-            Tensor::from_vec(rows, (j - i, arena.hidden), &Device::Cpu)
+            Tensor::from_vec(rows, (j - i, width), &Device::Cpu)
                 .and_then(|t| t.to_dtype(model.dtype()))
                 .and_then(|t| t.to_device(model.device()))
                 .map_err(|e| e.to_string())?

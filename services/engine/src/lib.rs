@@ -53,15 +53,14 @@ pub enum EngineServiceError {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub async fn run(args: EngineArgs, shutdown: impl Future<Output = ()>) -> Result<(), EngineServiceError> {
-    let transport = mmserve_protocol::transport::connect(&args.cache_socket, CONNECT_TIMEOUT)
+    let cache = mmserve_protocol::reconnect::CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
         .await
         .map_err(|e| EngineServiceError::Cache(e.to_string()))?;
-    let cache = mmserve_protocol::EmbedCacheClient::new(Default::default(), transport).spawn();
     let arena = cache
-        .arena(mmserve_protocol::deadline(CONNECT_TIMEOUT))
+        .call(|c| async move { c.arena(mmserve_protocol::deadline(CONNECT_TIMEOUT)).await })
         .await
         .map_err(|e| EngineServiceError::Cache(e.to_string()))?;
-    let service = EngineService::start(&args, arena)?;
+    let service = EngineService::start(&args, arena, cache)?;
     let listener = mmserve_protocol::transport::bind(&args.socket)
         .map_err(|source| EngineServiceError::Bind { path: args.socket.clone(), source })?;
     mmserve_protocol::ready::announce("engine");

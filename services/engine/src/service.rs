@@ -7,15 +7,15 @@ use std::time::Duration;
 
 use candle_core::{DType, Device};
 use mmserve_config::ModelDir;
+use mmserve_embed_cache::ArenaView;
 use mmserve_models::Llama;
-use mmserve_protocol::cache::ArenaInfo;
-use mmserve_protocol::{Engine, EngineError, EngineInfo, GenerateRequest, OutputEvent};
-use mmserve_shm::Segment;
+use mmserve_protocol::reconnect::CacheConnection;
+use mmserve_protocol::{ArenaInfo, Engine, EngineError, EngineInfo, GenerateRequest, OutputEvent, deadline};
 use mmserve_text::TextTokenizer;
 use tarpc::context::Context;
 
 use crate::batch::{Batcher, Command};
-use crate::inputs::{Arena, validate};
+use crate::inputs::validate;
 use crate::outbox::Outbox;
 use crate::{EngineArgs, EngineServiceError};
 
@@ -43,17 +43,17 @@ pub struct EngineService {
     counts: Arc<Counts>,
     vocab: usize,
     max_len: usize,
-    /// What `validate` checks item spans against.
-    arena_slots: u64,
+    /// The arenas the model thread reads (or will read once its `Remap` arrives).
+    arena: Arc<Mutex<ArenaInfo>>,
+    cache: Arc<CacheConnection>,
 }
 
 impl EngineService {
-    pub fn start(args: &EngineArgs, info: ArenaInfo) -> Result<Self, EngineServiceError> {
+    pub fn start(args: &EngineArgs, info: ArenaInfo, cache: CacheConnection) -> Result<Self, EngineServiceError> {
         let dir = ModelDir::open(&args.model)?;
         let model = Llama::load(&dir, &Device::Cpu, DType::F32)?;
         let tokenizer = TextTokenizer::from_dir(&dir)?;
-        let hidden = info.hidden as usize;
-        let segment = Segment::open(&info.segment, info.slots as usize * hidden * 4)?;
+        let view = ArenaView::open(&info)?;
         let vocab = model.config().vocab_size;
         let max_len = model.config().max_position_embeddings;
         let outbox = Arc::new(Outbox::default());
@@ -63,7 +63,7 @@ impl EngineService {
         let batcher = Batcher {
             model,
             tokenizer,
-            arena: Arena { segment, hidden },
+            arena: view,
             outbox: outbox.clone(),
             max_running: args.max_running_requests.max(1),
             counts: counts.clone(),
@@ -78,7 +78,8 @@ impl EngineService {
             counts,
             vocab,
             max_len,
-            arena_slots: info.slots,
+            arena: Arc::new(Mutex::new(info)),
+            cache: Arc::new(cache),
         })
     }
 
@@ -90,6 +91,28 @@ impl EngineService {
             Err(TrySendError::Full(_)) => Err(EngineError::Invalid("the engine's queue is full".into())),
             Err(TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
         }
+    }
+
+    /// The arenas of `instance`, mapping them first if the cache restarted since.
+    async fn arena_for(&self, instance: u64) -> Result<ArenaInfo, EngineError> {
+        let current = self.arena.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if current.instance == instance {
+            return Ok(current);
+        }
+        let info = self
+            .cache
+            .call(|c| async move { c.arena(deadline(Duration::from_secs(5))).await })
+            .await
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        if info.instance != instance {
+            return Err(EngineError::Invalid(
+                "the embed cache restarted while the request was in flight; retry it".into(),
+            ));
+        }
+        let view = ArenaView::open(&info).map_err(|e| EngineError::Invalid(e.to_string()))?;
+        self.send(Command::Remap(Box::new(view)))?;
+        *self.arena.lock().unwrap_or_else(|p| p.into_inner()) = info.clone();
+        Ok(info)
     }
 
     /// Closes the command channel; the model thread ends after its current step.
@@ -109,7 +132,12 @@ impl Engine for EngineService {
     }
 
     async fn submit(self, _: Context, request: GenerateRequest) -> Result<(), EngineError> {
-        validate(&request, self.vocab, self.arena_slots, self.max_len)?;
+        // A text-only request reads no arena.
+        let slots = match request.items.is_empty() {
+            true => 0,
+            false => self.arena_for(request.cache_instance).await?.slots,
+        };
+        validate(&request, self.vocab, slots, self.max_len)?;
         self.send(Command::Submit(Box::new(request)))
     }
 
