@@ -26,10 +26,10 @@ impl InstanceLock {
     pub fn acquire(prefix: &str) -> Result<InstanceLock, ShmError> {
         crate::check_name(prefix)?;
         let path = Path::new(SHM_DIR).join(format!("{prefix}.owner"));
-        if let Ok(existing) = File::open(&path) {
-            if !try_lock(&existing) {
-                return Err(ShmError::InUse(prefix.to_string()));
-            }
+        if let Ok(existing) = File::open(&path)
+            && !try_lock(&existing)
+        {
+            return Err(ShmError::InUse(prefix.to_string()));
         }
         let tmp = Path::new(SHM_DIR).join(format!("{prefix}.owner-{}", std::process::id()));
         let io = |e: std::io::Error| ShmError::Owner { prefix: prefix.to_string(), source: e };

@@ -38,9 +38,9 @@ impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
         match b {
-            _ if b >= 1 << 30 && b % (1 << 30) == 0 => write!(f, "{}GiB", b >> 30),
-            _ if b >= 1 << 20 && b % (1 << 20) == 0 => write!(f, "{}MiB", b >> 20),
-            _ if b >= 1 << 10 && b % (1 << 10) == 0 => write!(f, "{}KiB", b >> 10),
+            _ if b >= 1 << 30 && b.is_multiple_of(1 << 30) => write!(f, "{}GiB", b >> 30),
+            _ if b >= 1 << 20 && b.is_multiple_of(1 << 20) => write!(f, "{}MiB", b >> 20),
+            _ if b >= 1 << 10 && b.is_multiple_of(1 << 10) => write!(f, "{}KiB", b >> 10),
             _ => write!(f, "{b}"),
         }
     }
