@@ -3,6 +3,7 @@
 //! `serve` starts and supervises the four service processes, each of which is this
 //! same binary run with the service's subcommand (usable on its own, too).
 
+mod cache_cli;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +27,8 @@ enum Command {
     Engine(mmserve_engine::EngineArgs),
     /// Run the HTTP api service alone.
     Api(mmserve_api::ApiArgs),
+    /// Inspect and manage a running embed cache (its admin listener).
+    Cache(cache_cli::CacheCli),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,6 +49,7 @@ fn main() -> anyhow::Result<()> {
             Command::Encoder(args) => Ok(mmserve_encoder::run(args, shutdown()).await?),
             Command::Engine(args) => Ok(mmserve_engine::run(args, shutdown()).await?),
             Command::Api(args) => Ok(mmserve_api::run(args, shutdown()).await?),
+            Command::Cache(cli) => cache_cli::run(cli).await,
         }
     })
 }

@@ -7,8 +7,26 @@ use serde::{Deserialize, Serialize};
 
 /// md5 of an item's bytes, its modality and the fingerprint of everything that changes
 /// its embedding. Computed the same way in every process.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ItemKey(pub [u8; 16]);
+
+/// Hex in human-readable formats (JSON for scripts), raw bytes on the wire.
+impl Serialize for ItemKey {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() { s.collect_str(self) } else { self.0.serialize(s) }
+    }
+}
+
+impl<'de> Deserialize<'de> for ItemKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if d.is_human_readable() {
+            let s = String::deserialize(d)?;
+            s.parse().map_err(serde::de::Error::custom)
+        } else {
+            <[u8; 16]>::deserialize(d).map(ItemKey)
+        }
+    }
+}
 
 /// An item's identity: the md5 key the cache is indexed by, and a SHA-256 over the same
 /// input that confirms a hit (md5 collisions can be manufactured; SHA-256 ones cannot).

@@ -1,0 +1,249 @@
+//! The embed-cache service as a real process: pressure, fairness, owners, identity,
+//! the admin RPC and CLI, restart and stale-segment cleanup.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::cache::{CacheProc, temp_dir};
+use mmserve_protocol::{AllocItem, CacheError, EmbedCacheClient, ItemDigest, Modality, deadline};
+
+fn digest(n: u32) -> ItemDigest {
+    ItemDigest::compute(Modality::Image, "test", &n.to_le_bytes())
+}
+
+fn item(n: u32, tokens: u32) -> AllocItem {
+    AllocItem { digest: digest(n), modality: Modality::Image, token_num: tokens, data_len: 64 }
+}
+
+const T: Duration = Duration::from_secs(20);
+
+async fn alloc(c: &EmbedCacheClient, items: Vec<AllocItem>, wait_ms: u64) -> Result<Vec<u64>, CacheError> {
+    let a = c.alloc(deadline(T), items, wait_ms).await.unwrap()?;
+    let writers: Vec<u64> = a.records.iter().filter(|r| r.write_data).map(|r| r.id).collect();
+    c.set_items_data(deadline(T), writers).await.unwrap().unwrap();
+    Ok(a.records.iter().map(|r| r.id).collect())
+}
+
+async fn release(c: &EmbedCacheClient, ids: Vec<u64>) {
+    c.release(deadline(T), ids).await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_multi_item_requests_at_full_capacity_never_deadlock() {
+    let dir = temp_dir("stress");
+    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-stress-{}", std::process::id()), 60, 16, None);
+    // 8 connections (as 8 api processes), 400 requests of 1–4 items from a pool of 40,
+    // each item 5–15 slots: the cache is full most of the time.
+    let clients: Vec<EmbedCacheClient> = futures::future::join_all((0..8).map(|_| cache.client())).await;
+    let mut tasks = Vec::new();
+    for r in 0u32..400 {
+        let c = clients[r as usize % 8].clone();
+        tasks.push(tokio::spawn(async move {
+            let k = 1 + r % 4;
+            let items: Vec<AllocItem> = (0..k).map(|j| { let n = (r * 7 + j * 13) % 40; item(n, 5 + n % 11) }).collect();
+            match alloc(&c, items, 5_000).await {
+                Ok(ids) => {
+                    tokio::task::yield_now().await;
+                    release(&c, ids).await;
+                    true
+                }
+                Err(CacheError::Full { .. }) => false,
+                Err(e) => panic!("unexpected {e}"),
+            }
+        }));
+    }
+    let done = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(tasks)).await.expect("deadlock: requests did not finish");
+    let ok = done.into_iter().filter(|r| *r.as_ref().unwrap()).count();
+    assert!(ok >= 390, "only {ok} of 400 requests got their items");
+    let stats = clients[0].stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.references, stats.waiting), (0, 0), "{stats:?}");
+    assert!(stats.slots_used <= stats.slots_total && stats.items <= 16);
+    assert!(stats.evictions > 0, "the test did not reach capacity");
+    drop(clients);
+    cache.stop();
+}
+
+#[tokio::test]
+async fn waiting_is_first_come_first_served_and_holds_nothing() {
+    let dir = temp_dir("fifo");
+    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-fifo-{}", std::process::id()), 100, 100, None);
+    let (a, b, c) = (cache.client().await, cache.client().await, cache.client().await);
+    let held = alloc(&a, vec![item(1, 90)], 0).await.unwrap();
+    // Without waiting, a request that does not fit now is refused at once.
+    assert!(matches!(alloc(&b, vec![item(2, 80)], 0).await, Err(CacheError::Full { waited_ms: 0, .. })));
+    // B waits for 80; C's 5 would fit in the 10 free slots, but must not jump the line.
+    let big = tokio::spawn({ let b = b.clone(); async move { alloc(&b, vec![item(2, 80)], 10_000).await } });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let small = tokio::spawn({ let c = c.clone(); async move { alloc(&c, vec![item(3, 5)], 10_000).await } });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!small.is_finished(), "a small request jumped ahead of a waiting large one");
+    let stats = a.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.waiting, stats.references), (2, 1), "waiters hold nothing");
+    release(&a, held).await;
+    let big_ids = big.await.unwrap().unwrap();
+    let small_ids = small.await.unwrap().unwrap();
+    // A waiter that runs out of time holds nothing and leaves the line.
+    assert!(matches!(alloc(&a, vec![item(4, 60)], 200).await, Err(CacheError::Full { waited_ms: 200, .. })));
+    let stats = a.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.waiting, stats.references), (0, 2));
+    release(&b, big_ids).await;
+    release(&c, small_ids).await;
+    // Too large for the cache at all: refused at once, naming the limit.
+    match alloc(&a, vec![item(5, 101)], 10_000).await {
+        Err(CacheError::TooLarge { flag, .. }) => assert!(flag.contains("embed-cache-size")),
+        other => panic!("{other:?}"),
+    }
+    drop((a, b, c));
+    cache.stop();
+}
+
+#[tokio::test]
+async fn a_closed_connection_gives_back_its_references() {
+    let dir = temp_dir("owner");
+    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-owner-{}", std::process::id()), 100, 100, None);
+    let watcher = cache.client().await;
+    {
+        let doomed = cache.client().await;
+        alloc(&doomed, vec![item(1, 10), item(2, 10)], 0).await.unwrap();
+        assert_eq!(watcher.stats(deadline(T)).await.unwrap().references, 2);
+    } // the connection closes, as when an api process is killed
+    let deadline_at = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let refs = watcher.stats(deadline(T)).await.unwrap().references;
+        if refs == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline_at, "references of a closed connection stayed held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(watcher);
+    cache.stop();
+}
+
+#[tokio::test]
+async fn colliding_md5_inputs_get_their_own_embeddings() {
+    let hex = |s: &str| -> Vec<u8> { (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect() };
+    let pair = [
+        hex("d131dd02c5e6eec4693d9a0698aff95c2fcab58712467eab4004583eb8fb7f8955ad340609f4b30283e488832571415a085125e8f7cdc99fd91dbdf280373c5bd8823e3156348f5bae6dacd436c919c6dd53e2b487da03fd02396306d248cda0e99f33420f577ee8ce54b67080a80d1ec69821bcb6a8839396f9652b6ff72a70"),
+        hex("d131dd02c5e6eec4693d9a0698aff95c2fcab50712467eab4004583eb8fb7f8955ad340609f4b30283e4888325f1415a085125e8f7cdc99fd91dbd7280373c5bd8823e3156348f5bae6dacd436c919c6dd53e23487da03fd02396306d248cda0e99f33420f577ee8ce54b67080280d1ec69821bcb6a8839396f965ab6ff72a70"),
+    ];
+    let dir = temp_dir("collide");
+    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-collide-{}", std::process::id()), 100, 100, None);
+    let c = cache.client().await;
+    let info = c.arena(deadline(T)).await.unwrap();
+    let view = mmserve_embed_cache::ArenaView::open(&info).unwrap();
+    let mut records = Vec::new();
+    for (n, bytes) in pair.iter().enumerate() {
+        let d = ItemDigest::compute(Modality::Image, "model;clip", bytes);
+        let a = c.alloc(deadline(T), vec![AllocItem { digest: d, modality: Modality::Image, token_num: 2, data_len: 128 }], 0).await.unwrap().unwrap();
+        let r = a.records[0].clone();
+        assert!(r.write_data, "item {n} must be a miss");
+        view.write_data(r.data_offset, bytes).unwrap();
+        view.write_rows(r.start_index, &[n as f32; 8]).unwrap();
+        records.push(r);
+    }
+    assert_eq!(records[0].key, records[1].key, "equal md5");
+    assert_ne!(records[0].id, records[1].id);
+    for (n, r) in records.iter().enumerate() {
+        assert_eq!(view.read_data(r.data_offset, 128).unwrap(), pair[n]);
+        let mut row = [0f32; 8];
+        view.read_rows(r.start_index, &mut row).unwrap();
+        assert_eq!(row, [n as f32; 8], "each input keeps its own embedding");
+    }
+    drop((c, view));
+    cache.stop();
+}
+
+fn cli(admin: &str, token: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["cache", "--admin-addr", admin])
+        .args(args)
+        .env("MMSERVE_ADMIN_TOKEN", token)
+        .env("MMSERVE_LOG", "warn")
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[tokio::test]
+async fn the_admin_rpc_and_cli_need_the_token() {
+    let dir = temp_dir("admin");
+    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-admin-{}", std::process::id()), 100, 100, Some("s3cret"));
+    let admin = cache.admin.clone();
+    assert!(admin.starts_with("127.0.0.1:"), "{admin}");
+    let c = cache.client().await;
+    let ids = alloc(&c, vec![item(1, 10), item(2, 20)], 0).await.unwrap();
+    c.release(deadline(T), vec![ids[1]]).await.unwrap().unwrap();
+
+    let (ok, out, err) = cli(&admin, "s3cret", &["stats", "--json"]);
+    assert!(ok, "{err}");
+    let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((stats["items"].as_u64(), stats["slots_used"].as_u64(), stats["references"].as_u64()), (Some(2), Some(30), Some(1)));
+    let (ok, out, _) = cli(&admin, "s3cret", &["stats"]);
+    assert!(ok && out.contains("largest free block"), "{out}");
+
+    let (ok, out, err) = cli(&admin, "s3cret", &["ls", "--json"]);
+    assert!(ok, "{err}");
+    let items: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(items.len(), 2);
+    let busy = digest(1).key.to_string();
+    let idle = digest(2).key.to_string();
+    assert!(items.iter().any(|i| i["digest"] == busy.as_str() && i["references"] == 1));
+    let (ok, table, _) = cli(&admin, "s3cret", &["ls"]);
+    assert!(ok && table.contains(&busy) && table.contains("REFS"), "{table}");
+
+    let (ok, _, err) = cli(&admin, "s3cret", &["evict", &busy]);
+    assert!(!ok && err.contains("in use"), "evicting a referenced item must be refused: {err}");
+    let (ok, out, err) = cli(&admin, "s3cret", &["evict", &idle]);
+    assert!(ok && out.contains("evicted 1"), "{out}{err}");
+    let (ok, _, err) = cli(&admin, "s3cret", &["evict", &idle]);
+    assert!(!ok && err.contains("no item"), "{err}");
+    let (ok, _, err) = cli(&admin, "s3cret", &["evict", "not-a-digest"]);
+    assert!(!ok && err.contains("digest"), "{err}");
+
+    let (ok, _, err) = cli(&admin, "wrong", &["stats"]);
+    assert!(!ok && err.contains("token was refused"), "{err}");
+    // The RPC itself refuses too, whatever the client.
+    let t = tarpc::serde_transport::tcp::connect(&admin, tarpc::tokio_serde::formats::Bincode::default).await.unwrap();
+    let raw = mmserve_protocol::CacheAdminClient::new(Default::default(), t).spawn();
+    assert!(matches!(raw.clear(deadline(T), "".into()).await.unwrap(), Err(mmserve_protocol::AdminError::Unauthorized)));
+    assert_eq!(raw.clear(deadline(T), "s3cret".into()).await.unwrap().unwrap(), 0, "item 1 is still referenced");
+
+    release(&c, vec![ids[0]]).await;
+    let (ok, out, _) = cli(&admin, "s3cret", &["clear"]);
+    assert!(ok && out.contains("evicted 1"), "{out}");
+    drop((c, raw));
+    cache.stop();
+    let (ok, _, err) = cli(&admin, "s3cret", &["stats"]);
+    assert!(!ok && err.contains("cannot reach"), "service down must be said plainly: {err}");
+}
+
+#[tokio::test]
+async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
+    let dir = temp_dir("restart");
+    let socket = dir.join("c.sock");
+    let first = format!("mmserve-test-restart-a-{}", std::process::id());
+    let second = format!("mmserve-test-restart-b-{}", std::process::id());
+    let mut cache = CacheProc::start(&socket, &first, 100, 100, None);
+    let conn = mmserve_protocol::reconnect::CacheConnection::connect(&socket, Duration::from_secs(5)).await.unwrap();
+    let a1 = conn.call(|c| async move { c.arena(deadline(T)).await }).await.unwrap();
+    let held = conn.call(|c| async move { c.alloc(deadline(T), vec![item(1, 10)], 0).await }).await.unwrap().unwrap();
+    assert_eq!(held.instance, a1.instance);
+
+    cache.kill(); // SIGKILL: nothing is cleaned up
+    assert_eq!(mmserve_shm::list_with_prefix(&format!("{first}.")).len(), 3, "arena, data and owner file left behind");
+    let err = conn.call(|c| async move { c.stats(deadline(Duration::from_secs(2))).await }).await;
+    assert!(err.is_err(), "a call to a dead cache fails rather than hangs");
+
+    let cache = CacheProc::start(&socket, &second, 100, 100, None);
+    assert!(mmserve_shm::list_with_prefix(&format!("{first}.")).is_empty(), "the dead instance's segments were swept");
+    assert_eq!(mmserve_shm::list_with_prefix(&format!("{second}.")).len(), 3);
+    let a2 = conn.call(|c| async move { c.arena(deadline(T)).await }).await.expect("the client reconnects");
+    assert_ne!(a1.instance, a2.instance);
+    let stats = conn.call(|c| async move { c.stats(deadline(T)).await }).await.unwrap();
+    assert_eq!((stats.items, stats.references), (0, 0), "a new instance starts empty");
+    drop(conn);
+    cache.stop();
+}
