@@ -3,6 +3,7 @@
 //! `serve` starts and supervises the four service processes, each of which is this
 //! same binary run with the service's subcommand (usable on its own, too).
 
+mod bench;
 mod cache_cli;
 mod serve;
 
@@ -29,6 +30,9 @@ enum Command {
     Api(mmserve_api::ApiArgs),
     /// Inspect and manage a running embed cache (its admin listener).
     Cache(cache_cli::CacheCli),
+    /// Benchmarks against real services.
+    #[command(subcommand)]
+    Bench(bench::Bench),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,6 +54,7 @@ fn main() -> anyhow::Result<()> {
             Command::Engine(args) => Ok(mmserve_engine::run(args, shutdown()).await?),
             Command::Api(args) => Ok(mmserve_api::run(args, shutdown()).await?),
             Command::Cache(cli) => cache_cli::run(cli).await,
+            Command::Bench(b) => bench::run(b).await,
         }
     })
 }

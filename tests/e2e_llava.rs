@@ -199,3 +199,56 @@ async fn health_and_models() {
     assert_eq!(models["data"][0]["id"], "llava-tiny");
     server.stop();
 }
+
+#[tokio::test]
+async fn cache_limits_reach_the_client_as_400_and_503_with_a_shared_cache() {
+    // A standalone cache with room for exactly one image (16 slots of 64 f32), shared by
+    // the server and by this test, which fills it.
+    let dir = common::cache::temp_dir("e2e-shared-cache");
+    let socket = dir.join("cache.sock");
+    let prefix = format!("mmserve-test-shared-{}", std::process::id());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["embed-cache", "--socket"])
+        .arg(&socket)
+        .args(["--shm-prefix", &prefix, "--embed-dim", "64", "--embed-cache-size", "4096"])
+        .args(["--embed-cache-request-share", "1"])
+        .env("MMSERVE_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut cache = common::cache::CacheProc::adopt(out, &socket, &prefix);
+    let server =
+        Server::start(&["--embed-cache-socket", socket.to_str().unwrap(), "--embed-cache-wait-timeout-s", "1"]);
+    let (a, b) = (data_url(&fixture_png()), data_url(&inverted_png()));
+
+    let mut two = image_request(&a, false);
+    two["messages"][0]["content"].as_array_mut().unwrap().insert(0, json!({"type": "image_url", "image_url": {"url": b}}));
+    let (status, err) = server.chat(&two).await;
+    assert_eq!(status, 400, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("--embed-cache-size"), "{err}");
+
+    // Another client holds the whole cache: the request waits its second, then 503.
+    let holder = cache.client().await;
+    let filler = mmserve_protocol::AllocItem {
+        digest: mmserve_protocol::ItemDigest::compute(mmserve_protocol::Modality::Image, "filler", b"x"),
+        modality: mmserve_protocol::Modality::Image,
+        token_num: 16,
+        data_len: 1,
+    };
+    let t = std::time::Duration::from_secs(5);
+    let held = holder.alloc(mmserve_protocol::deadline(t), vec![filler], 0).await.unwrap().unwrap();
+    let (status, err) = server.chat(&image_request(&a, false)).await;
+    assert_eq!(status, 503, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("full"), "{err}");
+    assert_eq!(server.metric("mmserve_embed_cache_references").await, 1, "the refused request holds nothing");
+
+    // Once released (without the filler's data ever written, it is dropped at once),
+    // the request gets through and answers as always.
+    holder.release(mmserve_protocol::deadline(t), vec![held.records[0].id]).await.unwrap().unwrap();
+    let (status, body) = server.chat(&image_request(&a, false)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), ids(&reference()["generated_ids"]));
+    server.stop();
+    drop(holder);
+    cache.stop_in_place();
+}

@@ -56,6 +56,25 @@ impl CacheProc {
         CacheProc { child, socket: socket.to_path_buf(), prefix: prefix.to_string(), admin }
     }
 
+    /// Wraps a cache process started by the caller, waiting for its readiness line.
+    pub fn adopt(mut child: Child, socket: &Path, prefix: &str) -> CacheProc {
+        let stdout = child.stdout.take().expect("stdout piped");
+        let mut lines = BufReader::new(stdout).lines();
+        let admin = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(rest) = line.strip_prefix("mmserve-ready embed-cache") {
+                        break rest.trim().to_string();
+                    }
+                }
+                _ => panic!("embed-cache exited before it was ready"),
+            }
+        };
+        // Keep draining its stdout so it never writes into a closed pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        CacheProc { child, socket: socket.to_path_buf(), prefix: prefix.to_string(), admin }
+    }
+
     /// A new client connection (a new owner of references).
     pub async fn client(&self) -> EmbedCacheClient {
         let t = transport::connect(&self.socket, Duration::from_secs(5)).await.unwrap();
@@ -69,6 +88,11 @@ impl CacheProc {
 
     /// SIGTERM and wait: a clean stop.
     pub fn stop(mut self) {
+        self.stop_in_place();
+    }
+
+    /// As [`stop`](Self::stop), through a mutable reference.
+    pub fn stop_in_place(&mut self) {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let status = self.child.wait().unwrap();

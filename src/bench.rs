@@ -1,0 +1,211 @@
+//! `mmserve bench cache`: drives a real embed-cache service over its Unix socket with
+//! N concurrent clients (each its own connection, like N api processes), each
+//! allocating and releasing requests of k items, a mix of hits and misses. Reports
+//! item allocations per second and the latency of `alloc`.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use mmserve_protocol::{AllocItem, EmbedCacheClient, ItemDigest, Modality, deadline, transport};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Bench {
+    /// The embed cache's alloc/release path.
+    Cache(CacheBench),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CacheBench {
+    /// Socket of a running cache; without it, one is started for the run.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Concurrent clients, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub clients: Vec<usize>,
+    /// Items per request, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub items: Vec<usize>,
+    /// Fraction of items that are hits.
+    #[arg(long, default_value_t = 0.5)]
+    pub hit_ratio: f64,
+    /// Seconds per configuration.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Embedding rows per item.
+    #[arg(long, default_value_t = 64)]
+    pub tokens: u32,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(bench: Bench) -> anyhow::Result<()> {
+    match bench {
+        Bench::Cache(b) => cache(b).await,
+    }
+}
+
+/// A cache started for the run; stopped on drop.
+struct OwnCache {
+    child: tokio::process::Child,
+    dir: PathBuf,
+}
+
+impl Drop for OwnCache {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn start_cache() -> anyhow::Result<(OwnCache, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("mmserve-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let socket = dir.join("cache.sock");
+    let mut child = tokio::process::Command::new(std::env::current_exe()?)
+        .args(["embed-cache", "--socket"])
+        .arg(&socket)
+        // 64 values per row; room for ~16k items of 64 rows; 64 MiB of raw data.
+        .args(["--embed-dim", "64", "--embed-cache-size", "256MiB", "--embed-cache-items", "16384"])
+        .args(["--embed-cache-data-size", "64MiB"])
+        .env("MMSERVE_LOG", "warn")
+        .env_remove("MMSERVE_ADMIN_TOKEN")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the embed cache")?;
+    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.starts_with(mmserve_protocol::ready::READY_LINE) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    if ready != Ok(true) {
+        bail!("the embed cache did not start");
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((OwnCache { child, dir }, socket))
+}
+
+struct Outcome {
+    items: u64,
+    latencies_us: Vec<u32>,
+    failures: u64,
+}
+
+async fn cache(b: CacheBench) -> anyhow::Result<()> {
+    let (_own, socket) = match &b.socket {
+        Some(s) => (None, s.clone()),
+        None => {
+            let (own, s) = start_cache().await?;
+            (Some(own), s)
+        }
+    };
+    let connect = || async {
+        let t = transport::connect(&socket, Duration::from_secs(5)).await?;
+        anyhow::Ok(EmbedCacheClient::new(Default::default(), t).spawn())
+    };
+    // The hot set every client draws its hits from, made resident once.
+    let hot: Arc<Vec<ItemDigest>> =
+        Arc::new((0..256u32).map(|i| ItemDigest::compute(Modality::Image, "bench-hot", &i.to_le_bytes())).collect());
+    let warm = connect().await?;
+    for chunk in hot.chunks(32) {
+        let items: Vec<AllocItem> = chunk.iter().map(|d| item(*d, b.tokens)).collect();
+        let a = warm.alloc(deadline(Duration::from_secs(10)), items, 1000).await??;
+        let ids: Vec<u64> = a.records.iter().map(|r| r.id).collect();
+        warm.set_items_data(deadline(Duration::from_secs(10)), ids.clone()).await??;
+        warm.release(deadline(Duration::from_secs(10)), ids).await??;
+    }
+    let fresh = Arc::new(AtomicU64::new(0));
+    if !b.json {
+        println!("embed-cache alloc+release over a Unix socket, {:.0}% hits, {} rows per item", b.hit_ratio * 100.0, b.tokens);
+        println!("{:>7} {:>5} {:>14} {:>12} {:>10} {:>10} {:>9}", "clients", "items", "item-allocs/s", "requests/s", "p50 (µs)", "p99 (µs)", "failures");
+    }
+    for &n in &b.clients {
+        for &k in &b.items {
+            let clients = futures::future::try_join_all((0..n).map(|_| connect())).await?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let start = Instant::now();
+            let tasks: Vec<_> = clients
+                .into_iter()
+                .enumerate()
+                .map(|(c, client)| {
+                    let (hot, fresh, stop) = (hot.clone(), fresh.clone(), stop.clone());
+                    let (tokens, hit_ratio) = (b.tokens, b.hit_ratio);
+                    tokio::spawn(async move {
+                        let mut out = Outcome { items: 0, latencies_us: Vec::new(), failures: 0 };
+                        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (c as u64 + 1).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                        while !stop.load(Ordering::Relaxed) {
+                            let items: Vec<AllocItem> = (0..k)
+                                .map(|_| {
+                                    rng ^= rng << 13;
+                                    rng ^= rng >> 7;
+                                    rng ^= rng << 17;
+                                    let d = if (rng % 10_000) as f64 / 10_000.0 < hit_ratio {
+                                        hot[(rng >> 20) as usize % hot.len()]
+                                    } else {
+                                        let n = fresh.fetch_add(1, Ordering::Relaxed);
+                                        ItemDigest::compute(Modality::Image, "bench-fresh", &n.to_le_bytes())
+                                    };
+                                    item(d, tokens)
+                                })
+                                .collect();
+                            let t0 = Instant::now();
+                            let r = client.alloc(deadline(Duration::from_secs(10)), items, 1000).await;
+                            let us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                            let Ok(Ok(a)) = r else {
+                                out.failures += 1;
+                                continue;
+                            };
+                            out.latencies_us.push(us);
+                            out.items += k as u64;
+                            let writers: Vec<u64> = a.records.iter().filter(|r| r.write_data).map(|r| r.id).collect();
+                            if !writers.is_empty() {
+                                let _ = client.set_items_data(deadline(Duration::from_secs(10)), writers).await;
+                            }
+                            let ids = a.records.iter().map(|r| r.id).collect();
+                            let _ = client.release(deadline(Duration::from_secs(10)), ids).await;
+                        }
+                        out
+                    })
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_secs_f64(b.seconds)).await;
+            stop.store(true, Ordering::Relaxed);
+            let outcomes = futures::future::try_join_all(tasks).await?;
+            let elapsed = start.elapsed().as_secs_f64();
+            let items: u64 = outcomes.iter().map(|o| o.items).sum();
+            let failures: u64 = outcomes.iter().map(|o| o.failures).sum();
+            let mut lat: Vec<u32> = outcomes.into_iter().flat_map(|o| o.latencies_us).collect();
+            lat.sort_unstable();
+            let pct = |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+            let (rate, reqs) = (items as f64 / elapsed, lat.len() as f64 / elapsed);
+            if b.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"clients": n, "items": k, "item_allocs_per_s": rate, "requests_per_s": reqs,
+                                       "p50_us": pct(0.5), "p99_us": pct(0.99), "failures": failures})
+                );
+            } else {
+                println!("{n:>7} {k:>5} {rate:>14.0} {reqs:>12.0} {:>10} {:>10} {failures:>9}", pct(0.5), pct(0.99));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn item(digest: ItemDigest, tokens: u32) -> AllocItem {
+    AllocItem { digest, modality: Modality::Image, token_num: tokens, data_len: 1024 }
+}
