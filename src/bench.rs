@@ -27,6 +27,10 @@ pub struct CacheBench {
     /// Concurrent clients, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     pub clients: Vec<usize>,
+    /// Connections the clients share (0: one per client, as separate api processes;
+    /// otherwise clients multiplex over this many, as one api process's requests do).
+    #[arg(long, default_value_t = 0)]
+    pub connections: usize,
     /// Items per request, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub items: Vec<usize>,
@@ -130,12 +134,26 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
     }
     let fresh = Arc::new(AtomicU64::new(0));
     if !b.json {
-        println!("embed-cache alloc+release over a Unix socket, {:.0}% hits, {} rows per item", b.hit_ratio * 100.0, b.tokens);
-        println!("{:>7} {:>5} {:>14} {:>12} {:>10} {:>10} {:>9}", "clients", "items", "item-allocs/s", "requests/s", "p50 (µs)", "p99 (µs)", "failures");
+        let conns = if b.connections == 0 {
+            "one connection per client".to_string()
+        } else {
+            format!("{} shared connections", b.connections)
+        };
+        println!(
+            "embed-cache alloc (+ set_items_data for misses) + release over a Unix socket, {conns}, {:.0}% hits, {} rows per item",
+            b.hit_ratio * 100.0,
+            b.tokens
+        );
+        println!(
+            "{:>7} {:>5} {:>14} {:>12} {:>10} {:>10} {:>9}",
+            "clients", "items", "item-allocs/s", "requests/s", "p50 (µs)", "p99 (µs)", "failures"
+        );
     }
     for &n in &b.clients {
         for &k in &b.items {
-            let clients = futures::future::try_join_all((0..n).map(|_| connect())).await?;
+            let conns = if b.connections == 0 { n } else { b.connections.min(n) };
+            let links = futures::future::try_join_all((0..conns).map(|_| connect())).await?;
+            let clients: Vec<EmbedCacheClient> = (0..n).map(|c| links[c % conns].clone()).collect();
             let stop = Arc::new(AtomicBool::new(false));
             let start = Instant::now();
             let tasks: Vec<_> = clients
@@ -190,7 +208,9 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
             let failures: u64 = outcomes.iter().map(|o| o.failures).sum();
             let mut lat: Vec<u32> = outcomes.into_iter().flat_map(|o| o.latencies_us).collect();
             lat.sort_unstable();
-            let pct = |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+            let pct = |p: f64| {
+                lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0)
+            };
             let (rate, reqs) = (items as f64 / elapsed, lat.len() as f64 / elapsed);
             if b.json {
                 println!(

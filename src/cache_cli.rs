@@ -42,7 +42,11 @@ pub async fn run(cli: CacheCli) -> anyhow::Result<()> {
     let transport = tokio::time::timeout(TIMEOUT, tcp::connect(addr, Bincode::default))
         .await
         .map_err(|_| anyhow::anyhow!("the embed-cache admin listener at {addr} did not answer within 5 s"))?
-        .with_context(|| format!("cannot reach the embed-cache admin listener at {addr} (is the server running, with an admin token?)"))?;
+        .with_context(|| {
+            format!(
+                "cannot reach the embed-cache admin listener at {addr} (is the server running, with an admin token?)"
+            )
+        })?;
     let client = CacheAdminClient::new(Default::default(), transport).spawn();
     let ctx = || deadline(TIMEOUT);
     let unreachable = |e| anyhow::anyhow!("the embed-cache admin listener at {addr} failed: {e}");
@@ -120,7 +124,10 @@ fn human_ms(ms: u64) -> String {
 }
 
 fn print_items(items: &[ItemInfo]) {
-    println!("{:<32}  {:<8} {:>12} {:>6} {:>5} {:>10} {:>6} {:>8} {:>8}", "DIGEST", "MODALITY", "SLOTS", "COUNT", "REFS", "BYTES", "READY", "IDLE", "AGE");
+    println!(
+        "{:<32}  {:<8} {:>12} {:>6} {:>5} {:>10} {:>6} {:>8} {:>8}",
+        "DIGEST", "MODALITY", "SLOTS", "COUNT", "REFS", "BYTES", "READY", "IDLE", "AGE"
+    );
     for i in items {
         println!(
             "{:<32}  {:<8} {:>12} {:>6} {:>5} {:>10} {:>6} {:>8} {:>8}",

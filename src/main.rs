@@ -44,7 +44,14 @@ fn main() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    // The cache decides everything under one lock in microseconds: one thread serves it
+    // best (no work stealing, no lock handoffs between threads). The others use all cores.
+    let rt = match cli.command {
+        Command::EmbedCache(_) | Command::Bench(_) => {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()?
+        }
+        _ => tokio::runtime::Builder::new_multi_thread().enable_all().build()?,
+    };
     let shutdown = mmserve_protocol::ready::shutdown_signal;
     rt.block_on(async move {
         match cli.command {

@@ -222,7 +222,10 @@ async fn cache_limits_reach_the_client_as_400_and_503_with_a_shared_cache() {
     let (a, b) = (data_url(&fixture_png()), data_url(&inverted_png()));
 
     let mut two = image_request(&a, false);
-    two["messages"][0]["content"].as_array_mut().unwrap().insert(0, json!({"type": "image_url", "image_url": {"url": b}}));
+    two["messages"][0]["content"]
+        .as_array_mut()
+        .unwrap()
+        .insert(0, json!({"type": "image_url", "image_url": {"url": b}}));
     let (status, err) = server.chat(&two).await;
     assert_eq!(status, 400, "{err}");
     assert!(err["error"]["message"].as_str().unwrap().contains("--embed-cache-size"), "{err}");

@@ -33,7 +33,8 @@ async fn release(c: &EmbedCacheClient, ids: Vec<u64>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_multi_item_requests_at_full_capacity_never_deadlock() {
     let dir = temp_dir("stress");
-    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-stress-{}", std::process::id()), 60, 16, None);
+    let cache =
+        CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-stress-{}", std::process::id()), 60, 16, None);
     // 8 connections (as 8 api processes), 400 requests of 1–4 items from a pool of 40,
     // each item 5–15 slots: the cache is full most of the time.
     let clients: Vec<EmbedCacheClient> = futures::future::join_all((0..8).map(|_| cache.client())).await;
@@ -42,7 +43,12 @@ async fn many_multi_item_requests_at_full_capacity_never_deadlock() {
         let c = clients[r as usize % 8].clone();
         tasks.push(tokio::spawn(async move {
             let k = 1 + r % 4;
-            let items: Vec<AllocItem> = (0..k).map(|j| { let n = (r * 7 + j * 13) % 40; item(n, 5 + n % 11) }).collect();
+            let items: Vec<AllocItem> = (0..k)
+                .map(|j| {
+                    let n = (r * 7 + j * 13) % 40;
+                    item(n, 5 + n % 11)
+                })
+                .collect();
             match alloc(&c, items, 5_000).await {
                 Ok(ids) => {
                     tokio::task::yield_now().await;
@@ -54,7 +60,9 @@ async fn many_multi_item_requests_at_full_capacity_never_deadlock() {
             }
         }));
     }
-    let done = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(tasks)).await.expect("deadlock: requests did not finish");
+    let done = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(tasks))
+        .await
+        .expect("deadlock: requests did not finish");
     let ok = done.into_iter().filter(|r| *r.as_ref().unwrap()).count();
     assert!(ok >= 390, "only {ok} of 400 requests got their items");
     let stats = clients[0].stats(deadline(T)).await.unwrap();
@@ -68,15 +76,22 @@ async fn many_multi_item_requests_at_full_capacity_never_deadlock() {
 #[tokio::test]
 async fn waiting_is_first_come_first_served_and_holds_nothing() {
     let dir = temp_dir("fifo");
-    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-fifo-{}", std::process::id()), 100, 100, None);
+    let cache =
+        CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-fifo-{}", std::process::id()), 100, 100, None);
     let (a, b, c) = (cache.client().await, cache.client().await, cache.client().await);
     let held = alloc(&a, vec![item(1, 90)], 0).await.unwrap();
     // Without waiting, a request that does not fit now is refused at once.
     assert!(matches!(alloc(&b, vec![item(2, 80)], 0).await, Err(CacheError::Full { waited_ms: 0, .. })));
     // B waits for 80; C's 5 would fit in the 10 free slots, but must not jump the line.
-    let big = tokio::spawn({ let b = b.clone(); async move { alloc(&b, vec![item(2, 80)], 10_000).await } });
+    let big = tokio::spawn({
+        let b = b.clone();
+        async move { alloc(&b, vec![item(2, 80)], 10_000).await }
+    });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let small = tokio::spawn({ let c = c.clone(); async move { alloc(&c, vec![item(3, 5)], 10_000).await } });
+    let small = tokio::spawn({
+        let c = c.clone();
+        async move { alloc(&c, vec![item(3, 5)], 10_000).await }
+    });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!small.is_finished(), "a small request jumped ahead of a waiting large one");
     let stats = a.stats(deadline(T)).await.unwrap();
@@ -102,7 +117,8 @@ async fn waiting_is_first_come_first_served_and_holds_nothing() {
 #[tokio::test]
 async fn a_closed_connection_gives_back_its_references() {
     let dir = temp_dir("owner");
-    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-owner-{}", std::process::id()), 100, 100, None);
+    let cache =
+        CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-owner-{}", std::process::id()), 100, 100, None);
     let watcher = cache.client().await;
     {
         let doomed = cache.client().await;
@@ -124,20 +140,35 @@ async fn a_closed_connection_gives_back_its_references() {
 
 #[tokio::test]
 async fn colliding_md5_inputs_get_their_own_embeddings() {
-    let hex = |s: &str| -> Vec<u8> { (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect() };
+    let hex = |s: &str| -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    };
     let pair = [
-        hex("d131dd02c5e6eec4693d9a0698aff95c2fcab58712467eab4004583eb8fb7f8955ad340609f4b30283e488832571415a085125e8f7cdc99fd91dbdf280373c5bd8823e3156348f5bae6dacd436c919c6dd53e2b487da03fd02396306d248cda0e99f33420f577ee8ce54b67080a80d1ec69821bcb6a8839396f9652b6ff72a70"),
-        hex("d131dd02c5e6eec4693d9a0698aff95c2fcab50712467eab4004583eb8fb7f8955ad340609f4b30283e4888325f1415a085125e8f7cdc99fd91dbd7280373c5bd8823e3156348f5bae6dacd436c919c6dd53e23487da03fd02396306d248cda0e99f33420f577ee8ce54b67080280d1ec69821bcb6a8839396f965ab6ff72a70"),
+        hex(
+            "d131dd02c5e6eec4693d9a0698aff95c2fcab58712467eab4004583eb8fb7f8955ad340609f4b30283e488832571415a085125e8f7cdc99fd91dbdf280373c5bd8823e3156348f5bae6dacd436c919c6dd53e2b487da03fd02396306d248cda0e99f33420f577ee8ce54b67080a80d1ec69821bcb6a8839396f9652b6ff72a70",
+        ),
+        hex(
+            "d131dd02c5e6eec4693d9a0698aff95c2fcab50712467eab4004583eb8fb7f8955ad340609f4b30283e4888325f1415a085125e8f7cdc99fd91dbd7280373c5bd8823e3156348f5bae6dacd436c919c6dd53e23487da03fd02396306d248cda0e99f33420f577ee8ce54b67080280d1ec69821bcb6a8839396f965ab6ff72a70",
+        ),
     ];
     let dir = temp_dir("collide");
-    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-collide-{}", std::process::id()), 100, 100, None);
+    let cache =
+        CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-collide-{}", std::process::id()), 100, 100, None);
     let c = cache.client().await;
     let info = c.arena(deadline(T)).await.unwrap();
     let view = mmserve_embed_cache::ArenaView::open(&info).unwrap();
     let mut records = Vec::new();
     for (n, bytes) in pair.iter().enumerate() {
         let d = ItemDigest::compute(Modality::Image, "model;clip", bytes);
-        let a = c.alloc(deadline(T), vec![AllocItem { digest: d, modality: Modality::Image, token_num: 2, data_len: 128 }], 0).await.unwrap().unwrap();
+        let a = c
+            .alloc(
+                deadline(T),
+                vec![AllocItem { digest: d, modality: Modality::Image, token_num: 2, data_len: 128 }],
+                0,
+            )
+            .await
+            .unwrap()
+            .unwrap();
         let r = a.records[0].clone();
         assert!(r.write_data, "item {n} must be a miss");
         view.write_data(r.data_offset, bytes).unwrap();
@@ -170,7 +201,13 @@ fn cli(admin: &str, token: &str, args: &[&str]) -> (bool, String, String) {
 #[tokio::test]
 async fn the_admin_rpc_and_cli_need_the_token() {
     let dir = temp_dir("admin");
-    let cache = CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-admin-{}", std::process::id()), 100, 100, Some("s3cret"));
+    let cache = CacheProc::start(
+        &dir.join("c.sock"),
+        &format!("mmserve-test-admin-{}", std::process::id()),
+        100,
+        100,
+        Some("s3cret"),
+    );
     let admin = cache.admin.clone();
     assert!(admin.starts_with("127.0.0.1:"), "{admin}");
     let c = cache.client().await;
@@ -180,7 +217,10 @@ async fn the_admin_rpc_and_cli_need_the_token() {
     let (ok, out, err) = cli(&admin, "s3cret", &["stats", "--json"]);
     assert!(ok, "{err}");
     let stats: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!((stats["items"].as_u64(), stats["slots_used"].as_u64(), stats["references"].as_u64()), (Some(2), Some(30), Some(1)));
+    assert_eq!(
+        (stats["items"].as_u64(), stats["slots_used"].as_u64(), stats["references"].as_u64()),
+        (Some(2), Some(30), Some(1))
+    );
     let (ok, out, _) = cli(&admin, "s3cret", &["stats"]);
     assert!(ok && out.contains("largest free block"), "{out}");
 
@@ -208,7 +248,10 @@ async fn the_admin_rpc_and_cli_need_the_token() {
     // The RPC itself refuses too, whatever the client.
     let t = tarpc::serde_transport::tcp::connect(&admin, tarpc::tokio_serde::formats::Bincode::default).await.unwrap();
     let raw = mmserve_protocol::CacheAdminClient::new(Default::default(), t).spawn();
-    assert!(matches!(raw.clear(deadline(T), "".into()).await.unwrap(), Err(mmserve_protocol::AdminError::Unauthorized)));
+    assert!(matches!(
+        raw.clear(deadline(T), "".into()).await.unwrap(),
+        Err(mmserve_protocol::AdminError::Unauthorized)
+    ));
     assert_eq!(raw.clear(deadline(T), "s3cret".into()).await.unwrap().unwrap(), 0, "item 1 is still referenced");
 
     release(&c, vec![ids[0]]).await;

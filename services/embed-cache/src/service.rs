@@ -182,9 +182,8 @@ impl CacheService {
             tokio::spawn(async move {
                 channel
                     .execute(EmbedCache::serve(conn.clone()))
-                    .for_each(|response| async move {
-                        tokio::spawn(response);
-                    })
+                    // Responses run inside the connection's task: no spawn per request.
+                    .for_each_concurrent(None, |response| response)
                     .await;
                 conn.connection_closed();
             });

@@ -58,6 +58,37 @@ impl Record {
     }
 }
 
+/// Where a new item goes: (first slot, first data page).
+type Block = (u64, u64);
+
+/// Places every item or none: on failure the blocks taken so far are given back.
+fn place_all(slots: &mut SlotAllocator, pages: &mut SlotAllocator, items: &[&AllocItem]) -> Option<Vec<Block>> {
+    let mut placed = Vec::with_capacity(items.len());
+    for i in items {
+        let (n, p) = (u64::from(i.token_num), i.data_len.div_ceil(DATA_PAGE));
+        let Some(s) = slots.alloc(n) else { return undo(slots, pages, items, placed) };
+        let Some(d) = pages.alloc(p) else {
+            slots.release(s, n);
+            return undo(slots, pages, items, placed);
+        };
+        placed.push((s, d));
+    }
+    Some(placed)
+}
+
+fn undo(
+    slots: &mut SlotAllocator,
+    pages: &mut SlotAllocator,
+    items: &[&AllocItem],
+    placed: Vec<Block>,
+) -> Option<Vec<Block>> {
+    for (i, (s, d)) in items.iter().zip(placed) {
+        slots.release(s, u64::from(i.token_num));
+        pages.release(d, i.data_len.div_ceil(DATA_PAGE));
+    }
+    None
+}
+
 /// Why `try_alloc` refused.
 #[derive(Debug)]
 pub enum Refusal {
@@ -158,38 +189,11 @@ impl CacheState {
         let needed_items = new.len() as u64;
         let needed_slots: u64 = new.iter().map(|i| u64::from(i.token_num)).sum();
 
-        // Plan on copies of the allocators: evict the oldest unreferenced records (never
-        // one this request is about to use) until every new item has its blocks.
-        let in_request: Vec<u64> = distinct.iter().filter_map(|i| self.find(&i.digest)).collect();
-        let (mut slots, mut pages) = (self.slots.clone(), self.pages.clone());
-        let mut victims = Vec::new();
-        let mut candidates = self.lru.values().copied().filter(|id| !in_request.contains(id));
-        let placed = loop {
-            if self.records.len() as u64 - victims.len() as u64 + needed_items <= self.limits.items {
-                let (mut s, mut p) = (slots.clone(), pages.clone());
-                let placed: Option<Vec<(u64, u64)>> = new
-                    .iter()
-                    .map(|i| Some((s.alloc(u64::from(i.token_num))?, p.alloc(i.data_len.div_ceil(DATA_PAGE))?)))
-                    .collect();
-                if let Some(placed) = placed {
-                    (slots, pages) = (s, p);
-                    break placed;
-                }
-            }
-            let Some(id) = candidates.next() else {
-                return Err(Refusal::NotNow { needed_slots, needed_items });
-            };
-            let r = &self.records[&id];
-            slots.release(r.start_index, u64::from(r.token_num));
-            pages.release(r.data_page, r.pages());
-            victims.push(id);
-        };
-
+        let (victims, placed) = self.place(&distinct, &new).ok_or(Refusal::NotNow { needed_slots, needed_items })?;
         for id in victims {
-            self.remove(id);
+            self.remove_record(id);
             self.evictions += 1;
         }
-        (self.slots, self.pages) = (slots, pages);
         let now = Instant::now();
         let mut created = Vec::with_capacity(new.len());
         for (item, (start_index, data_page)) in new.iter().zip(placed) {
@@ -248,6 +252,41 @@ impl CacheState {
             });
         }
         Ok(out)
+    }
+
+    /// Finds blocks for every new item: `(records to evict, (slot, page) per new item)`.
+    /// On success the allocators already hold the new blocks and no longer hold the
+    /// victims' (remove those with [`Self::remove_record`]); on `None` nothing changed.
+    fn place(&mut self, distinct: &[&AllocItem], new: &[&AllocItem]) -> Option<(Vec<u64>, Vec<Block>)> {
+        if new.is_empty() {
+            return Some((Vec::new(), Vec::new()));
+        }
+        let needed_items = new.len() as u64;
+        // Fast path: everything fits without evicting.
+        if self.records.len() as u64 + needed_items <= self.limits.items
+            && let Some(placed) = place_all(&mut self.slots, &mut self.pages, new)
+        {
+            return Some((Vec::new(), placed));
+        }
+        // Plan on copies: evict the oldest unreferenced records (never one this request
+        // is about to use) until every new item has its blocks.
+        let in_request: Vec<u64> = distinct.iter().filter_map(|i| self.find(&i.digest)).collect();
+        let (mut slots, mut pages) = (self.slots.clone(), self.pages.clone());
+        let mut victims = Vec::new();
+        let mut candidates = self.lru.values().copied().filter(|id| !in_request.contains(id));
+        loop {
+            let id = candidates.next()?;
+            let r = &self.records[&id];
+            slots.release(r.start_index, u64::from(r.token_num));
+            pages.release(r.data_page, r.pages());
+            victims.push(id);
+            if self.records.len() as u64 - victims.len() as u64 + needed_items <= self.limits.items
+                && let Some(placed) = place_all(&mut slots, &mut pages, new)
+            {
+                (self.slots, self.pages) = (slots, pages);
+                return Some((victims, placed));
+            }
+        }
     }
 
     /// Adds a reference and marks the record used now.
@@ -319,20 +358,27 @@ impl CacheState {
         }
     }
 
+    /// Removes a record and frees its blocks.
     fn remove(&mut self, id: u64) {
-        if let Some(r) = self.records.remove(&id) {
-            if r.refs == 0 {
-                self.lru.remove(&r.last_use);
-            }
-            if let Some(ids) = self.by_key.get_mut(&r.digest.key) {
-                ids.retain(|&x| x != id);
-                if ids.is_empty() {
-                    self.by_key.remove(&r.digest.key);
-                }
-            }
+        if let Some(r) = self.remove_record(id) {
             self.slots.release(r.start_index, u64::from(r.token_num));
             self.pages.release(r.data_page, r.pages());
         }
+    }
+
+    /// Removes a record whose blocks the allocators no longer hold.
+    fn remove_record(&mut self, id: u64) -> Option<Record> {
+        let r = self.records.remove(&id)?;
+        if r.refs == 0 {
+            self.lru.remove(&r.last_use);
+        }
+        if let Some(ids) = self.by_key.get_mut(&r.digest.key) {
+            ids.retain(|&x| x != id);
+            if ids.is_empty() {
+                self.by_key.remove(&r.digest.key);
+            }
+        }
+        Some(r)
     }
 
     fn get_mut(&mut self, id: u64) -> Result<&mut Record, CacheError> {
