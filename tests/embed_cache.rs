@@ -245,6 +245,17 @@ async fn the_admin_rpc_and_cli_need_the_token() {
 
     let (ok, _, err) = cli(&admin, "wrong", &["stats"]);
     assert!(!ok && err.contains("token was refused"), "{err}");
+    // The token may come from a file instead.
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, "s3cret\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["cache", "--admin-addr", &admin, "--admin-token-file"])
+        .arg(&token_file)
+        .args(["stats", "--json"])
+        .env_remove("MMSERVE_ADMIN_TOKEN")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // The RPC itself refuses too, whatever the client.
     let t = tarpc::serde_transport::tcp::connect(&admin, tarpc::tokio_serde::formats::Bincode::default).await.unwrap();
     let raw = mmserve_protocol::CacheAdminClient::new(Default::default(), t).spawn();
