@@ -7,9 +7,11 @@
 //!   [`resize_bicubic_window`] for a crop of it.
 //! - [`ClipImageProcessor`]: `preprocessor_config.json` → CHW `f32` pixel values.
 
+pub mod audio;
 pub mod clip;
 pub mod decode;
 pub mod error;
+pub mod qwen2vl;
 pub mod resample;
 
 pub use clip::{ClipImageProcessor, Resize};

@@ -1,0 +1,1 @@
+//! Audio: decoding, resampling and Whisper log-mel features (being written).

@@ -1,0 +1,1 @@
+//! Qwen2-VL image processor (being written).
