@@ -33,6 +33,8 @@ pub struct ServeArgs {
     /// Longest wait in line for embed-cache capacity, in seconds (then 503).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
     pub embed_cache_wait_timeout_s: u64,
+    #[command(flatten)]
+    pub media: mmserve_api::MediaArgs,
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
@@ -161,7 +163,7 @@ async fn start_all(
         "--max-running-requests".into(),
         args.max_running_requests.to_string(),
     ];
-    let api_args = vec![
+    let mut api_args = vec![
         "--host".into(),
         args.host.clone(),
         "--port".into(),
@@ -177,6 +179,7 @@ async fn start_all(
         "--embed-cache-wait-timeout-s".into(),
         args.embed_cache_wait_timeout_s.to_string(),
     ];
+    api_args.extend(args.media.to_args());
     let timeout = Duration::from_secs(args.ready_timeout_s);
     if args.embed_cache_socket.is_none() {
         // The token travels in the environment, not on the command line (ps shows that).

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cache;
+pub mod http;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -54,12 +55,14 @@ impl Server {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 if let Some(url) = line.strip_prefix("mmserve: serving ").and_then(|r| r.split(" at ").nth(1)) {
-                    let _ = tx.send(url.to_string());
+                    let _ = tx.send(Some(url.to_string()));
                 }
             }
+            let _ = tx.send(None); // serve exited
         });
         let url = match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(url) => url,
+            Ok(Some(url)) => url,
+            Ok(None) => panic!("mmserve serve exited before it was ready: {:?}", child.wait()),
             Err(_) => {
                 let _ = child.kill();
                 panic!("mmserve serve did not come up within 120 s");

@@ -6,13 +6,13 @@
 use std::sync::Arc;
 
 use mmserve_protocol::{
-    AllocItem, EncodeItem, GenerateRequest, ItemDigest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure,
-    SamplingParams, deadline,
+    AllocItem, EncodeItem, GenerateRequest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure, SamplingParams,
+    deadline,
 };
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
-use crate::media::{MediaItem, check_image, data_url_bytes};
+use crate::media::{MediaItem, prepare_image};
 use crate::openai::ChatRequest;
 use crate::prompt::{expand, parse_messages, tokenize};
 use crate::state::AppState;
@@ -133,22 +133,14 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     }
     let ids = tokenize(&state.template, &state.tokenizer, &parsed.template_messages)?;
 
-    // Media: bytes, checked decodes in parallel off the event loop, keys.
-    let mut checks = Vec::with_capacity(parsed.image_urls.len());
-    for url in &parsed.image_urls {
-        let bytes = data_url_bytes(url, state.limits.max_item_bytes)?;
-        checks.push(check_image(bytes, state.limits.image));
-    }
-    let items: Vec<MediaItem> = futures::future::try_join_all(checks)
-        .await?
-        .into_iter()
-        .map(|bytes| MediaItem {
-            digest: ItemDigest::compute(Modality::Image, &state.fingerprint, &bytes),
-            bytes,
-            modality: Modality::Image,
-            token_num: state.tokens_per_image,
-        })
-        .collect();
+    // Media: fetched, checked from the header and keyed, all items at once.
+    let items: Vec<MediaItem> = futures::future::try_join_all(
+        parsed
+            .image_urls
+            .iter()
+            .map(|url| prepare_image(url, &state.limits, &state.fingerprint, state.tokens_per_image)),
+    )
+    .await?;
     let image_tokens: u64 = items.iter().map(|i| u64::from(i.token_num)).sum();
     let prompt_len = ids.len() as u64 - items.len() as u64 + image_tokens;
     let params = sampling(req, prompt_len, state.max_model_len)?;

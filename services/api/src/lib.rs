@@ -5,6 +5,7 @@
 
 pub mod dispatch;
 pub mod error;
+pub mod fetch;
 pub mod generate;
 pub mod media;
 pub mod openai;
@@ -24,6 +25,7 @@ use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncoderClient, EngineClient, deadline, transport};
 use mmserve_text::{ChatTemplate, TextTokenizer};
 
+use crate::fetch::FetchPolicy;
 use crate::media::MediaLimits;
 use crate::state::{AppState, Timeouts};
 
@@ -47,24 +49,82 @@ pub struct ApiArgs {
     pub encoder_socket: PathBuf,
     #[arg(long, env = "MMSERVE_ENGINE_SOCKET")]
     pub engine_socket: PathBuf,
-    /// Largest request body in bytes (413 above it).
-    #[arg(long, env = "MMSERVE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
-    pub max_body_bytes: usize,
-    /// Largest media item in bytes.
-    #[arg(long, env = "MMSERVE_MAX_ITEM_BYTES", default_value_t = 20 << 20)]
-    pub max_item_bytes: usize,
-    /// Most media items in one request.
-    #[arg(long, env = "MMSERVE_MAX_ITEMS_PER_REQUEST", default_value_t = 16)]
-    pub max_items_per_request: usize,
-    /// Most pixels of one image, read from its header before decoding.
-    #[arg(long, env = "MMSERVE_MAX_IMAGE_PIXELS", default_value_t = 178_956_970)]
-    pub max_image_pixels: u64,
+    #[command(flatten)]
+    pub media: MediaArgs,
     /// Longest wait in line for embed-cache capacity, in seconds (then 503).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
     pub embed_cache_wait_timeout_s: u64,
     /// Longest wait for the next token of a running request, in seconds.
     #[arg(long, env = "MMSERVE_TOKEN_TIMEOUT_S", default_value_t = 120)]
     pub token_timeout_s: u64,
+}
+
+/// Limits and fetching rules for requests and their media (also flags of `serve`,
+/// which hands them to the api process).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MediaArgs {
+    /// Largest request body in bytes (413 above it).
+    #[arg(long, env = "MMSERVE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+    /// Largest media item in bytes.
+    #[arg(long, env = "MMSERVE_MAX_ITEM_BYTES", default_value_t = 20 << 20)]
+    pub max_item_bytes: usize,
+    /// Hosts image and audio URLs may be fetched from (comma-separated; `*.example.com`
+    /// for subdomains). Without it (or --allow-all-media-domains) only data: URLs work.
+    #[arg(long, env = "MMSERVE_ALLOWED_MEDIA_DOMAINS", value_delimiter = ',')]
+    pub allowed_media_domains: Vec<String>,
+    /// Fetch media from any host (loopback and private addresses stay refused).
+    #[arg(long, env = "MMSERVE_ALLOW_ALL_MEDIA_DOMAINS")]
+    pub allow_all_media_domains: bool,
+    /// Also fetch from loopback, private, link-local and other reserved addresses.
+    #[arg(long, env = "MMSERVE_ALLOW_PRIVATE_MEDIA_ADDRESSES")]
+    pub allow_private_media_addresses: bool,
+    /// Directory under which file: URLs may be read (symlinks resolved first).
+    #[arg(long, env = "MMSERVE_ALLOWED_LOCAL_MEDIA_PATH")]
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Longest fetch of one media URL, redirects included, in seconds.
+    #[arg(long, env = "MMSERVE_MEDIA_FETCH_TIMEOUT_S", default_value_t = 10)]
+    pub media_fetch_timeout_s: u64,
+    /// Most redirects followed per media URL.
+    #[arg(long, env = "MMSERVE_MEDIA_MAX_REDIRECTS", default_value_t = 3)]
+    pub media_max_redirects: usize,
+    /// Media items checked and hashed at once (0: twice the cores).
+    #[arg(long, env = "MMSERVE_MEDIA_WORKERS", default_value_t = 0)]
+    pub media_workers: usize,
+    /// Most media items in one request.
+    #[arg(long, env = "MMSERVE_MAX_ITEMS_PER_REQUEST", default_value_t = 16)]
+    pub max_items_per_request: usize,
+    /// Most pixels of one image, read from its header before decoding.
+    #[arg(long, env = "MMSERVE_MAX_IMAGE_PIXELS", default_value_t = 178_956_970)]
+    pub max_image_pixels: u64,
+}
+
+impl MediaArgs {
+    /// The same settings as command-line flags, for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            format!("--max-body-bytes={}", self.max_body_bytes),
+            format!("--max-item-bytes={}", self.max_item_bytes),
+            format!("--max-items-per-request={}", self.max_items_per_request),
+            format!("--max-image-pixels={}", self.max_image_pixels),
+            format!("--media-fetch-timeout-s={}", self.media_fetch_timeout_s),
+            format!("--media-max-redirects={}", self.media_max_redirects),
+            format!("--media-workers={}", self.media_workers),
+        ];
+        if !self.allowed_media_domains.is_empty() {
+            a.push(format!("--allowed-media-domains={}", self.allowed_media_domains.join(",")));
+        }
+        if self.allow_all_media_domains {
+            a.push("--allow-all-media-domains".into());
+        }
+        if self.allow_private_media_addresses {
+            a.push("--allow-private-media-addresses".into());
+        }
+        if let Some(p) = &self.allowed_local_media_path {
+            a.push(format!("--allowed-local-media-path={}", p.display()));
+        }
+        a
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +139,8 @@ pub enum ApiServiceError {
     NoPreprocessor,
     #[error("connecting to {service}: {message}")]
     Connect { service: &'static str, message: String },
+    #[error("--allowed-local-media-path {path}: {source}")]
+    LocalPath { path: PathBuf, source: std::io::Error },
     #[error("listening on {addr}: {source}")]
     Listen { addr: String, source: std::io::Error },
 }
@@ -107,6 +169,14 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
     let pp = dir.optional_json("preprocessor_config.json")?.ok_or(ApiServiceError::NoPreprocessor)?;
     let processor = ClipImageProcessor::from_json(&pp)?;
     let name = args.served_model_name.clone().unwrap_or_else(|| dir.name.clone());
+    let local_root = match &args.media.allowed_local_media_path {
+        Some(p) => {
+            Some(std::fs::canonicalize(p).map_err(|e| ApiServiceError::LocalPath { path: p.clone(), source: e })?)
+        }
+        None => None,
+    };
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let workers = if args.media.media_workers == 0 { 2 * cores } else { args.media.media_workers };
     let fingerprint = format!("{name};{}", processor.fingerprint());
 
     let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
@@ -133,9 +203,18 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         cfg.image_token_count() as u32,
         fingerprint,
         MediaLimits {
-            max_item_bytes: args.max_item_bytes,
-            max_items: args.max_items_per_request,
-            image: ImageLimits { max_pixels: args.max_image_pixels },
+            max_items: args.media.max_items_per_request,
+            image: ImageLimits { max_pixels: args.media.max_image_pixels },
+            fetch: FetchPolicy {
+                allowed_domains: args.media.allowed_media_domains.clone(),
+                allow_all_domains: args.media.allow_all_media_domains,
+                allow_private_addresses: args.media.allow_private_media_addresses,
+                local_root,
+                max_bytes: args.media.max_item_bytes,
+                timeout: Duration::from_secs(args.media.media_fetch_timeout_s),
+                max_redirects: args.media.media_max_redirects,
+            },
+            cpu_slots: Arc::new(tokio::sync::Semaphore::new(workers)),
         },
         info.max_model_len,
         (cache, encoder, engine),
@@ -163,7 +242,7 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
         .map_err(|source| ApiServiceError::Listen { addr: addr.clone(), source })?;
     let local: SocketAddr = listener.local_addr().map_err(|source| ApiServiceError::Listen { addr, source })?;
     mmserve_protocol::ready::announce_with("api", &format!("http://{local}"));
-    let app = routes::router(state, args.max_body_bytes);
+    let app = routes::router(state, args.media.max_body_bytes);
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
