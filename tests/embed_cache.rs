@@ -105,6 +105,16 @@ async fn waiting_is_first_come_first_served_and_holds_nothing() {
     assert_eq!((stats.waiting, stats.references), (0, 2));
     release(&b, big_ids).await;
     release(&c, small_ids).await;
+    // A waiting call that is cancelled (its deadline passes) leaves the line and holds
+    // nothing afterwards, even once the room it waited for frees up.
+    let held = alloc(&a, vec![item(6, 90)], 0).await.unwrap();
+    let short = deadline(Duration::from_millis(200));
+    assert!(b.alloc(short, vec![item(7, 80)], 10_000).await.is_err(), "the call's deadline passes");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(a.stats(deadline(T)).await.unwrap().waiting, 0, "the cancelled waiter left the line");
+    release(&a, held).await;
+    let stats = a.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.references, stats.waiting), (0, 0), "nothing was granted to the cancelled call");
     // Too large for the cache at all: refused at once, naming the limit.
     match alloc(&a, vec![item(5, 101)], 10_000).await {
         Err(CacheError::TooLarge { flag, .. }) => assert!(flag.contains("embed-cache-size")),

@@ -200,6 +200,8 @@ pub enum CacheError {
     SharedMemory(String),
     #[error("the client's connection closed")]
     Disconnected,
+    #[error("the request that uploads item {0} went away before writing it; retry")]
+    Abandoned(u64),
     #[error("timed out after {0} ms waiting for item data")]
     Timeout(u64),
 }
@@ -219,6 +221,9 @@ pub trait EmbedCache {
     async fn wait_items_data(ids: Vec<u64>, timeout_ms: u64) -> Result<(), CacheError>;
     async fn set_items_embed(ids: Vec<u64>) -> Result<(), CacheError>;
     async fn get_items_embed(ids: Vec<u64>) -> Result<Vec<bool>, CacheError>;
+    /// Takes a reference (for this connection) to each item still present; `false` for
+    /// the others. The encoder pins what it encodes, so no slot is reused under it.
+    async fn pin(ids: Vec<u64>) -> Vec<bool>;
     async fn arena() -> ArenaInfo;
     async fn stats() -> CacheStats;
 }

@@ -27,10 +27,14 @@ pub struct EncoderStats {
 #[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 pub enum EncoderError {
     /// The item's bytes are not a usable image or clip: the client's fault.
-    #[error("item {index}: {message}")]
+    #[error("{message}")]
     BadItem { index: usize, message: String },
     #[error("timed out after {0} ms")]
     Timeout(u64),
+    /// A passing condition (an upload abandoned, an item evicted with its requests gone,
+    /// the cache restarting): retrying may succeed.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("encoder failure: {0}")]
     Internal(String),
 }

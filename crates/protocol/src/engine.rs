@@ -60,6 +60,8 @@ pub enum FinishReason {
     Abort,
     /// The engine failed this request; the message says why.
     Error(String),
+    /// A passing condition stopped this request (the embed cache restarted): retry it.
+    Retry(String),
 }
 
 /// One step's news for one request: a token and its text, and/or the end.
@@ -90,6 +92,9 @@ pub enum EngineError {
     DuplicateId(u64),
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// A passing condition (queue full, the embed cache restarting): retrying may work.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 #[tarpc::service]

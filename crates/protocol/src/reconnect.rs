@@ -27,7 +27,12 @@ impl CacheConnection {
 
     async fn open(path: &Path, timeout: Duration) -> std::io::Result<EmbedCacheClient> {
         let t = transport::connect(path, timeout).await?;
-        Ok(EmbedCacheClient::new(Default::default(), t).spawn())
+        // One connection carries every request of an api process, waiting allocs
+        // included: tarpc's default of 1000 in flight would block releases behind them.
+        let mut config = tarpc::client::Config::default();
+        config.max_in_flight_requests = 1 << 16;
+        config.pending_request_buffer = 1 << 12;
+        Ok(EmbedCacheClient::new(config, t).spawn())
     }
 
     /// The current client, reconnecting first if the last call found the link broken.

@@ -5,14 +5,23 @@
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::{SHM_DIR, ShmError};
 
 /// Held for the life of an instance; unlinks the owner file on drop.
 pub struct InstanceLock {
-    _file: File,
+    file: File,
     path: PathBuf,
+}
+
+/// Whether `path` still names the very file `file` has open (not a replacement).
+fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.ino() == b.ino() && a.dev() == b.dev(),
+        _ => false,
+    }
 }
 
 fn try_lock(file: &File) -> bool {
@@ -25,12 +34,18 @@ impl InstanceLock {
     /// then renamed, so no other process can ever see it unlocked.
     pub fn acquire(prefix: &str) -> Result<InstanceLock, ShmError> {
         crate::check_name(prefix)?;
-        let path = Path::new(SHM_DIR).join(format!("{prefix}.owner"));
-        if let Ok(existing) = File::open(&path)
-            && !try_lock(&existing)
-        {
-            return Err(ShmError::InUse(prefix.to_string()));
+        // A dot would make the sweep read a different prefix from our segment names.
+        if prefix.contains('.') {
+            return Err(ShmError::BadName(prefix.to_string()));
         }
+        let path = Path::new(SHM_DIR).join(format!("{prefix}.owner"));
+        // Hold the old owner file's lock (if any) until ours replaces it, so no sweeper
+        // can take the prefix for dead in between.
+        let _old = match File::open(&path) {
+            Ok(existing) if !try_lock(&existing) => return Err(ShmError::InUse(prefix.to_string())),
+            Ok(existing) => Some(existing),
+            Err(_) => None,
+        };
         let tmp = Path::new(SHM_DIR).join(format!("{prefix}.owner-{}", std::process::id()));
         let io = |e: std::io::Error| ShmError::Owner { prefix: prefix.to_string(), source: e };
         let file = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).map_err(io)?;
@@ -39,13 +54,15 @@ impl InstanceLock {
             return Err(ShmError::InUse(prefix.to_string()));
         }
         std::fs::rename(&tmp, &path).map_err(io)?;
-        Ok(InstanceLock { _file: file, path })
+        Ok(InstanceLock { file, path })
     }
 }
 
 impl Drop for InstanceLock {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if same_file(&self.file, &self.path) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -61,8 +78,10 @@ pub fn sweep_dead_instances() -> usize {
         let owner = Path::new(SHM_DIR).join(format!("{prefix}.owner"));
         // Keep the lock (if we get it) while removing, so nobody claims the prefix meanwhile.
         let lock = match File::open(&owner) {
-            Ok(f) if try_lock(&f) => Some(f),
-            Ok(_) => continue, // alive
+            // Locked, and still the file the name points to (not replaced by a new
+            // instance between our open and our lock): dead.
+            Ok(f) if try_lock(&f) && same_file(&f, &owner) => Some(f),
+            Ok(_) => continue, // alive, or just claimed
             Err(_) => None,
         };
         for n in names.iter().filter(|n| n.strip_prefix(prefix).is_some_and(|r| r.starts_with('.'))) {

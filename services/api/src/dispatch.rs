@@ -53,7 +53,7 @@ impl Dispatcher {
                 request_id: id,
                 token_id: None,
                 text: String::new(),
-                finish: Some(FinishReason::Error(reason.to_string())),
+                finish: Some(FinishReason::Retry(reason.to_string())),
             });
         }
     }

@@ -75,7 +75,7 @@ impl From<CacheError> for ApiError {
     fn from(e: CacheError) -> Self {
         match e {
             CacheError::TooLarge { .. } => ApiError::bad(e.to_string()),
-            CacheError::Full { .. } | CacheError::Timeout(_) | CacheError::Disconnected => {
+            CacheError::Full { .. } | CacheError::Timeout(_) | CacheError::Disconnected | CacheError::Abandoned(_) => {
                 ApiError::Unavailable(e.to_string())
             }
             _ => ApiError::Internal(e.to_string()),
@@ -87,7 +87,7 @@ impl From<EncoderError> for ApiError {
     fn from(e: EncoderError) -> Self {
         match e {
             EncoderError::BadItem { .. } => ApiError::bad(e.to_string()),
-            EncoderError::Timeout(_) => ApiError::Unavailable(e.to_string()),
+            EncoderError::Timeout(_) | EncoderError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
             EncoderError::Internal(_) => ApiError::Internal(e.to_string()),
         }
     }
@@ -97,7 +97,7 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::TooLong { .. } | EngineError::Invalid(_) => ApiError::bad(e.to_string()),
-            EngineError::ShuttingDown => ApiError::Unavailable(e.to_string()),
+            EngineError::ShuttingDown | EngineError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
             EngineError::DuplicateId(_) => ApiError::Internal(e.to_string()),
         }
     }

@@ -117,6 +117,7 @@ pub fn is_public(ip: IpAddr) -> bool {
             let s = v6.segments();
             !(v6.is_loopback()
                 || v6.is_unspecified()
+                || (s[..6] == [0; 6]) // IPv4-compatible ::a.b.c.d (deprecated, never public)
                 || v6.is_multicast()
                 || (s[0] & 0xfe00) == 0xfc00 // unique local (fd00:ec2::254 is AWS metadata)
                 || (s[0] & 0xffc0) == 0xfe80 // link-local
@@ -158,7 +159,12 @@ fn host_allowed(host: &str, policy: &FetchPolicy) -> bool {
 }
 
 /// Resolves `url`'s host once and picks an address that passes the checks.
-async fn checked_address(url: &reqwest::Url, policy: &FetchPolicy, param: &str) -> Result<SocketAddr, ApiError> {
+async fn checked_address(
+    url: &reqwest::Url,
+    policy: &FetchPolicy,
+    timeout: Duration,
+    param: &str,
+) -> Result<SocketAddr, ApiError> {
     let host = url.host_str().ok_or_else(|| bad(param, "the URL has no host"))?;
     if !host_allowed(host, policy) {
         return Err(bad(
@@ -170,7 +176,7 @@ async fn checked_address(url: &reqwest::Url, policy: &FetchPolicy, param: &str) 
     let addrs: Vec<SocketAddr> = match url.host() {
         Some(url::Host::Ipv4(ip)) => vec![SocketAddr::new(IpAddr::V4(ip), port)],
         Some(url::Host::Ipv6(ip)) => vec![SocketAddr::new(IpAddr::V6(ip), port)],
-        _ => tokio::time::timeout(policy.timeout, tokio::net::lookup_host((host, port)))
+        _ => tokio::time::timeout(timeout, tokio::net::lookup_host((host, port)))
             .await
             .map_err(|_| bad(param, format!("resolving {host} timed out")))?
             .map_err(|e| bad(param, format!("resolving {host}: {e}")))?
@@ -198,7 +204,7 @@ async fn http(url: &str, policy: &FetchPolicy, param: &str) -> Result<Vec<u8>, A
     let timed_out = || bad(param, format!("fetching the media took longer than {} s", policy.timeout.as_secs()));
     let mut current = reqwest::Url::parse(url).map_err(|e| bad(param, format!("invalid URL: {e}")))?;
     for _hop in 0..=policy.max_redirects {
-        let addr = checked_address(&current, policy, param).await?;
+        let addr = checked_address(&current, policy, remaining(), param).await?;
         let host = current.host_str().unwrap_or_default().to_string();
         // One client per hop, pinned to the checked address: no second resolution.
         let client = reqwest::Client::builder()

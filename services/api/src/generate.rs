@@ -142,7 +142,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     )
     .await?;
     let image_tokens: u64 = items.iter().map(|i| u64::from(i.token_num)).sum();
-    let prompt_len = ids.len() as u64 - items.len() as u64 + image_tokens;
+    let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens;
     let params = sampling(req, prompt_len, state.max_model_len)?;
 
     let request_id = state.new_request_id();
@@ -168,8 +168,10 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
         cache_instance,
         params,
     };
-    rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
+    // Marked before the call: if this handler is dropped after the engine accepted the
+    // request, the guard still aborts it (aborting an unknown id is harmless).
     guard.submitted = true;
+    rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
     Ok(Started { guard, events, prompt_ids, image_tokens })
 }
 

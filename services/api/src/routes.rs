@@ -39,7 +39,7 @@ fn finish_name(r: &FinishReason) -> &'static str {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
         FinishReason::Abort => "abort",
-        FinishReason::Error(_) => "error",
+        FinishReason::Error(_) | FinishReason::Retry(_) => "error",
     }
 }
 
@@ -110,10 +110,13 @@ async fn collect(
             break f;
         }
     };
-    started.guard.mark_finished();
     Metrics::add(&state.metrics.generation_tokens, tokens.len() as u64);
-    if let FinishReason::Error(message) = &finish {
-        return Err(ApiError::Internal(format!("generation failed: {message}")));
+    match &finish {
+        // The guard aborts on drop: harmless if the engine already dropped the request,
+        // and needed if the failure came from this side (the event poll failed).
+        FinishReason::Error(message) => return Err(ApiError::Internal(format!("generation failed: {message}"))),
+        FinishReason::Retry(message) => return Err(ApiError::Unavailable(message.clone())),
+        _ => started.guard.mark_finished(),
     }
     let completion = tokens.len() as u64;
     Ok(ChatCompletion {
@@ -214,7 +217,11 @@ impl StreamState {
             Some(FinishReason::Error(message)) => {
                 let err = ApiError::Internal(format!("generation failed: {message}"));
                 self.pending.push_back(Event::default().data(err.body().to_string()));
-                self.started.guard.mark_finished();
+                self.done = true;
+            }
+            Some(FinishReason::Retry(message)) => {
+                let err = ApiError::Unavailable(message);
+                self.pending.push_back(Event::default().data(err.body().to_string()));
                 self.done = true;
             }
             Some(reason) => {

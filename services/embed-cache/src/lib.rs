@@ -71,6 +71,9 @@ impl AdminArgs {
     /// The token from the flag, the variable or the file.
     pub fn token(&self) -> Result<Option<String>, CacheServiceError> {
         if let Some(t) = &self.admin_token {
+            if t.trim().is_empty() {
+                return Err(CacheServiceError::EmptyToken(PathBuf::from("--admin-token / MMSERVE_ADMIN_TOKEN")));
+            }
             return Ok(Some(t.clone()));
         }
         let Some(path) = &self.admin_token_file else { return Ok(None) };
@@ -94,7 +97,7 @@ pub enum CacheServiceError {
     Shm(#[from] mmserve_shm::ShmError),
     #[error("reading the admin token from {path}: {source}")]
     TokenFile { path: PathBuf, source: std::io::Error },
-    #[error("the admin token file {0} is empty")]
+    #[error("the admin token from {0} is empty")]
     EmptyToken(PathBuf),
 }
 

@@ -27,6 +27,9 @@ use tokio::sync::{Notify, oneshot};
 use crate::state::{CacheState, Limits, Owner, Refusal};
 use crate::{CacheArgs, CacheServiceError};
 
+/// Longest wait any call may ask for (one hour): keeps deadline arithmetic in range.
+const MAX_WAIT_MS: u64 = 3_600_000;
+
 struct Waiter {
     ticket: u64,
     owner: Owner,
@@ -114,8 +117,9 @@ impl CacheService {
         let usize_of = |b: u64| usize::try_from(b).map_err(|_| CacheServiceError::Capacity(format!("{b} bytes")));
         let arena = Segment::create(&embed_segment, usize_of(slots * slot_bytes)?)?;
         let data = Segment::create(&data_segment, usize_of(cap.embed_cache_data_size.0)?)?;
+        let instance = random_u64();
         let info = ArenaInfo {
-            instance: random_u64(),
+            instance,
             embed_segment,
             slots,
             layers: 1,
@@ -127,7 +131,9 @@ impl CacheService {
         Ok(CacheService {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
-                    state: CacheState::new(limits),
+                    // Ids differ between instances, so a client releasing ids of a previous
+                    // instance after a restart cannot hit live records.
+                    state: CacheState::with_first_id(limits, (instance & 0xffff_ffff) << 31),
                     queue: VecDeque::new(),
                     gone: HashSet::new(),
                 }),
@@ -180,12 +186,13 @@ impl CacheService {
             let conn = CacheService { shared: self.shared.clone(), owner };
             let channel = BaseChannel::with_defaults(mmserve_protocol::transport::server_transport(stream));
             tokio::spawn(async move {
+                // Released however the task ends, a panic included.
+                let _closed = ClosedGuard(conn.clone());
                 channel
                     .execute(EmbedCache::serve(conn.clone()))
                     // Responses run inside the connection's task: no spawn per request.
                     .for_each_concurrent(None, |response| response)
                     .await;
-                conn.connection_closed();
             });
         }
     }
@@ -197,6 +204,8 @@ impl CacheService {
         let released = inner.state.release_owner(self.owner);
         inner.queue.retain(|w| w.owner != self.owner);
         inner.drain();
+        drop(inner);
+        self.shared.data_ready.notify_waiters();
         if released > 0 {
             tracing::warn!(owner = self.owner, released, "a client disconnected holding references; released them");
         }
@@ -205,6 +214,40 @@ impl CacheService {
     /// Unlinks both arenas and the owner file.
     pub fn shutdown(&self) {
         self.shared.held.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}
+
+/// Runs `connection_closed` when the connection's task ends.
+struct ClosedGuard(CacheService);
+
+impl Drop for ClosedGuard {
+    fn drop(&mut self) {
+        self.0.connection_closed();
+    }
+}
+
+/// A queued alloc. If the call is dropped while waiting (its client went away or its
+/// deadline passed), the ticket leaves the line and any grant that raced in is taken back.
+struct WaitTicket<'a> {
+    service: &'a CacheService,
+    ticket: u64,
+    rx: oneshot::Receiver<Vec<ItemRecord>>,
+    done: bool,
+}
+
+impl Drop for WaitTicket<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut inner = self.service.lock();
+        if let Some(pos) = inner.queue.iter().position(|w| w.ticket == self.ticket) {
+            inner.queue.remove(pos);
+        } else if let Ok(records) = self.rx.try_recv() {
+            let ids: Vec<u64> = records.iter().map(|r| r.id).collect();
+            let _ = inner.state.release(self.service.owner, &ids);
+        }
+        inner.drain();
     }
 }
 
@@ -225,12 +268,14 @@ fn random_u64() -> u64 {
 impl EmbedCache for CacheService {
     async fn alloc(self, _: Context, items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError> {
         let instance = self.shared.info.instance;
-        let (ticket, mut rx, needed) = {
+        let wait_ms = wait_ms.min(MAX_WAIT_MS);
+        let (ticket, rx, needed) = {
             let mut inner = self.lock();
             if inner.gone.contains(&self.owner) {
                 return Err(CacheError::Disconnected);
             }
-            // Nobody jumps the line: try now only if nobody waits.
+            // Drop dead heads first, then: nobody jumps the line; try now only if nobody waits.
+            inner.drain();
             let needed = match inner.queue.is_empty() {
                 true => match inner.state.try_alloc(self.owner, &items) {
                     Ok(records) => return Ok(Allocation { instance, records }),
@@ -242,43 +287,39 @@ impl EmbedCache for CacheService {
                     (0, 0)
                 }
             };
+            let full = CacheError::Full { needed_slots: needed.0, needed_items: needed.1, waited_ms: wait_ms };
             if wait_ms == 0 {
-                return Err(CacheError::Full { needed_slots: needed.0, needed_items: needed.1, waited_ms: 0 });
+                return Err(full);
             }
             let (tx, rx) = oneshot::channel();
             let ticket = self.shared.next_ticket.fetch_add(1, Ordering::Relaxed);
             inner.queue.push_back(Waiter { ticket, owner: self.owner, items, tx });
-            (ticket, rx, needed)
+            (ticket, rx, full)
         };
-        match tokio::time::timeout(Duration::from_millis(wait_ms), &mut rx).await {
-            Ok(Ok(records)) => Ok(Allocation { instance, records }),
-            Ok(Err(_)) => Err(CacheError::Full { needed_slots: needed.0, needed_items: needed.1, waited_ms: wait_ms }),
-            Err(_) => {
-                let mut inner = self.lock();
-                if let Some(pos) = inner.queue.iter().position(|w| w.ticket == ticket) {
-                    inner.queue.remove(pos);
-                    // The next in line may fit where this one did not.
-                    inner.drain();
-                    return Err(CacheError::Full {
-                        needed_slots: needed.0,
-                        needed_items: needed.1,
-                        waited_ms: wait_ms,
-                    });
-                }
-                drop(inner);
-                // Granted just as the wait ran out: take it.
-                rx.try_recv().map(|records| Allocation { instance, records }).map_err(|_| CacheError::Full {
-                    needed_slots: needed.0,
-                    needed_items: needed.1,
-                    waited_ms: wait_ms,
-                })
+        let mut wait = WaitTicket { service: &self, ticket, rx, done: false };
+        let granted = tokio::time::timeout(Duration::from_millis(wait_ms), &mut wait.rx).await;
+        match granted {
+            Ok(Ok(records)) => {
+                wait.done = true;
+                Ok(Allocation { instance, records })
             }
+            // Timed out or dropped from the line: the ticket's drop leaves the line (or
+            // takes back a grant that raced in) and lets the next waiter try.
+            _ => Err(needed),
         }
     }
 
     async fn release(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
         let owner = self.owner;
-        self.with_state(|s| s.release(owner, &ids))
+        let r = self.with_state(|s| s.release(owner, &ids));
+        // Records may have gone or been abandoned: waiters for their data re-check.
+        self.shared.data_ready.notify_waiters();
+        r
+    }
+
+    async fn pin(self, _: Context, ids: Vec<u64>) -> Vec<bool> {
+        let owner = self.owner;
+        self.with_state(|s| s.pin(owner, &ids))
     }
 
     async fn set_items_data(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
@@ -292,6 +333,7 @@ impl EmbedCache for CacheService {
     }
 
     async fn wait_items_data(self, _: Context, ids: Vec<u64>, timeout_ms: u64) -> Result<(), CacheError> {
+        let timeout_ms = timeout_ms.min(MAX_WAIT_MS);
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
         loop {
             // Register for the notification before checking, so a wake-up between the

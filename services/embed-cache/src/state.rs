@@ -45,6 +45,11 @@ struct Record {
     data_len: u64,
     data_ready: bool,
     embed_ready: bool,
+    /// The owner that must write the raw bytes (until they are written).
+    writer: Owner,
+    /// The writer left without writing: the record is unfindable and dies with its
+    /// last reference; waiting for its data fails at once.
+    abandoned: bool,
     refs: u32,
     /// Tick of the last use; the key of this record in `lru` while unreferenced.
     last_use: u64,
@@ -117,7 +122,13 @@ pub struct CacheState {
 }
 
 impl CacheState {
+    /// `first_id` should differ between instances (ids must not repeat across a
+    /// restart: a client may still release ids of the previous instance).
     pub fn new(limits: Limits) -> Self {
+        Self::with_first_id(limits, 1)
+    }
+
+    pub fn with_first_id(limits: Limits, first_id: u64) -> Self {
         CacheState {
             records: HashMap::new(),
             by_key: HashMap::new(),
@@ -126,7 +137,7 @@ impl CacheState {
             pages: SlotAllocator::new(limits.data_bytes / DATA_PAGE),
             held: HashMap::new(),
             limits,
-            next_id: 1,
+            next_id: first_id.max(1),
             next_token_id: VIRTUAL_TOKEN_BASE,
             tick: 0,
             hits: 0,
@@ -152,8 +163,8 @@ impl CacheState {
 
     /// Refuses at once what can never fit, whatever else is released.
     fn check_ever_fits(&self, distinct: &[&AllocItem]) -> Result<(), CacheError> {
-        let slots: u64 = distinct.iter().map(|i| u64::from(i.token_num)).sum();
-        let pages: u64 = distinct.iter().map(|i| i.data_len.div_ceil(DATA_PAGE)).sum();
+        let slots: u64 = distinct.iter().fold(0u64, |a, i| a.saturating_add(u64::from(i.token_num)));
+        let pages: u64 = distinct.iter().fold(0u64, |a, i| a.saturating_add(i.data_len.div_ceil(DATA_PAGE)));
         let too_large = |what: &str, needed, limit, flag: &str| {
             Err(CacheError::TooLarge { what: what.into(), needed, limit, flag: flag.into() })
         };
@@ -167,7 +178,7 @@ impl CacheState {
         if pages > self.pages.total() {
             return too_large(
                 "bytes of raw media",
-                pages * DATA_PAGE,
+                pages.saturating_mul(DATA_PAGE),
                 self.pages.total() * DATA_PAGE,
                 "--embed-cache-data-size",
             );
@@ -189,7 +200,22 @@ impl CacheState {
         let needed_items = new.len() as u64;
         let needed_slots: u64 = new.iter().map(|i| u64::from(i.token_num)).sum();
 
-        let (victims, placed) = self.place(&distinct, &new).ok_or(Refusal::NotNow { needed_slots, needed_items })?;
+        let Some((victims, placed)) = self.place(&distinct, &new) else {
+            // With every evictable record gone it still does not fit: unless records held
+            // by others are in the way, waiting cannot help (fragmentation of the data
+            // pages by this request's own items, for instance).
+            let in_request: Vec<u64> = distinct.iter().filter_map(|i| self.find(&i.digest)).collect();
+            let blocked = self.records.iter().any(|(id, r)| r.refs > 0 && !in_request.contains(id));
+            return Err(match blocked {
+                true => Refusal::NotNow { needed_slots, needed_items },
+                false => Refusal::Never(CacheError::TooLarge {
+                    what: "contiguous cache space".into(),
+                    needed: needed_slots,
+                    limit: self.slots.largest_free_block(),
+                    flag: "--embed-cache-size / --embed-cache-data-size".into(),
+                }),
+            });
+        };
         for id in victims {
             self.remove_record(id);
             self.evictions += 1;
@@ -213,6 +239,8 @@ impl CacheState {
                     data_len: item.data_len,
                     data_ready: false,
                     embed_ready: false,
+                    writer: owner,
+                    abandoned: false,
                     refs: 0,
                     last_use: 0,
                     last_use_at: now,
@@ -343,10 +371,12 @@ impl CacheState {
         }
         self.tick += 1;
         let tick = self.tick;
+        let still_held = self.held.get(&owner).is_some_and(|h| h.contains_key(&id));
         let r = self.records.get_mut(&id).expect("validated");
         r.refs -= n;
         r.last_use = tick;
         r.last_use_at = Instant::now();
+        let writer_left = !r.data_ready && r.writer == owner && !still_held;
         if r.refs == 0 {
             if r.data_ready {
                 self.lru.insert(tick, id);
@@ -354,6 +384,17 @@ impl CacheState {
                 // Its writer gave up before writing: nobody else can, so drop it now and
                 // let the next request for these bytes start afresh.
                 self.remove(id);
+            }
+        } else if writer_left && !r.abandoned {
+            // Others still hold it, but its bytes will never come: hide it from lookups
+            // (the next request starts afresh) and let waiters fail now.
+            r.abandoned = true;
+            let key = r.digest.key;
+            if let Some(ids) = self.by_key.get_mut(&key) {
+                ids.retain(|&x| x != id);
+                if ids.is_empty() {
+                    self.by_key.remove(&key);
+                }
             }
         }
     }
@@ -398,7 +439,28 @@ impl CacheState {
     }
 
     pub fn data_ready(&self, ids: &[u64]) -> Result<Vec<bool>, CacheError> {
-        ids.iter().map(|id| self.records.get(id).map(|r| r.data_ready).ok_or(CacheError::UnknownItem(*id))).collect()
+        ids.iter()
+            .map(|id| match self.records.get(id) {
+                None => Err(CacheError::UnknownItem(*id)),
+                Some(r) if r.abandoned => Err(CacheError::Abandoned(*id)),
+                Some(r) => Ok(r.data_ready),
+            })
+            .collect()
+    }
+
+    /// Takes a reference to each known item for `owner` (the encoder, while it encodes);
+    /// `false` for items that are gone or abandoned (nothing taken for those).
+    pub fn pin(&mut self, owner: Owner, ids: &[u64]) -> Vec<bool> {
+        ids.iter()
+            .map(|&id| match self.records.get(&id) {
+                Some(r) if !r.abandoned => {
+                    self.touch(id);
+                    *self.held.entry(owner).or_default().entry(id).or_default() += 1;
+                    true
+                }
+                _ => false,
+            })
+            .collect()
     }
 
     pub fn embed_ready(&self, ids: &[u64]) -> Result<Vec<bool>, CacheError> {

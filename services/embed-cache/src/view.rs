@@ -30,16 +30,32 @@ impl ArenaView {
 
     /// Writes whole rows starting at `slot`.
     pub fn write_rows(&self, slot: u64, rows: &[f32]) -> Result<(), ShmError> {
-        self.embed.write_f32(slot as usize * self.info.slot_bytes(), rows)
+        self.embed.write_f32(self.slot_offset(slot)?, rows)
+    }
+
+    fn slot_offset(&self, slot: u64) -> Result<usize, ShmError> {
+        (slot as usize).checked_mul(self.info.slot_bytes()).ok_or_else(|| ShmError::Size {
+            name: self.info.embed_segment.clone(),
+            expected: usize::MAX,
+            actual: self.embed.len(),
+        })
     }
 
     /// Reads whole rows starting at `slot` into `out`.
     pub fn read_rows(&self, slot: u64, out: &mut [f32]) -> Result<(), ShmError> {
-        self.embed.read_f32(slot as usize * self.info.slot_bytes(), out)
+        self.embed.read_f32(self.slot_offset(slot)?, out)
     }
 
     /// An item's raw bytes.
     pub fn read_data(&self, offset: u64, len: u64) -> Result<Vec<u8>, ShmError> {
+        // Check the range before allocating for it.
+        if offset.checked_add(len).is_none_or(|end| end > self.info.data_bytes) {
+            return Err(ShmError::Size {
+                name: self.info.data_segment.clone(),
+                expected: usize::MAX,
+                actual: self.data.len(),
+            });
+        }
         let mut out = vec![0u8; len as usize];
         self.data.read(offset as usize, &mut out)?;
         Ok(out)

@@ -226,3 +226,41 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn an_upload_abandoned_while_others_wait_fails_them_at_once() {
+    let mut s = CacheState::new(limits(100, 10));
+    let a = s.try_alloc(A, &[item(1, 5)]).unwrap(); // A creates it and must write it
+    let b = s.try_alloc(B, &[item(1, 5)]).unwrap(); // B shares it, waiting for A's bytes
+    assert!(a[0].write_data && !b[0].write_data);
+    s.release_owner(A); // A leaves without writing
+    assert!(matches!(s.data_ready(&[b[0].id]), Err(CacheError::Abandoned(_))), "B's wait fails now");
+    // A new request for the same bytes starts afresh, with its own record and writer.
+    let c = s.try_alloc(A, &[item(1, 5)]).unwrap();
+    assert!(c[0].write_data && c[0].id != b[0].id);
+    s.check().unwrap();
+    s.release(B, &[b[0].id]).unwrap();
+    assert_eq!(s.stats().items, 1, "the abandoned record went with its last reference");
+    s.check().unwrap();
+}
+
+#[test]
+fn pins_keep_items_from_eviction_and_skip_missing_ones() {
+    const ENCODER: Owner = 9;
+    let mut s = CacheState::new(limits(10, 10));
+    let a = alloc(&mut s, A, &[item(1, 10)]);
+    assert_eq!(s.pin(ENCODER, &[a[0].id, 12345]), vec![true, false]);
+    s.release(A, &ids(&a)).unwrap();
+    // Pinned by the encoder: a request that needs the room must wait.
+    assert!(matches!(s.try_alloc(B, &[item(2, 10)]), Err(Refusal::NotNow { .. })));
+    s.release(ENCODER, &ids(&a)).unwrap();
+    alloc(&mut s, B, &[item(2, 10)]);
+    s.check().unwrap();
+}
+
+#[test]
+fn ids_start_where_the_instance_says() {
+    let mut s = CacheState::with_first_id(limits(10, 10), 7 << 31);
+    let a = alloc(&mut s, A, &[item(1, 1)]);
+    assert_eq!(a[0].id, 7 << 31);
+}

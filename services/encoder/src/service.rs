@@ -18,6 +18,8 @@ use crate::{EncoderArgs, EncoderServiceError};
 pub(crate) enum ItemFailure {
     /// The bytes are not a usable image: the client's fault.
     Bad(String),
+    /// The item left the cache before it could be encoded (its requests are gone).
+    Gone(String),
     Internal(String),
 }
 
@@ -66,50 +68,83 @@ impl EncoderService {
     }
 }
 
-impl Encoder for EncoderService {
-    async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
-        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
+impl EncoderService {
+    async fn encode_inner(&self, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
+        let cache_err = |e: mmserve_protocol::CacheError| match e {
+            mmserve_protocol::CacheError::Timeout(ms) => EncoderError::Timeout(ms),
+            other => EncoderError::Unavailable(other.to_string()),
+        };
         let t = self.timeout;
+        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
         let ready = self
             .cache
             .call(|c| async move { c.get_items_embed(deadline(t), ids).await })
             .await
-            .map_err(|e| EncoderError::Internal(e.to_string()))?
-            .map_err(|e| EncoderError::Internal(e.to_string()))?;
-        let mut waits = Vec::new();
-        for (index, (item, ready)) in items.into_iter().zip(ready).enumerate() {
-            if ready {
-                continue;
-            }
-            let (tx, rx) = oneshot::channel();
-            let first = {
-                let mut inflight = self.shared.inflight.lock().unwrap_or_else(|p| p.into_inner());
-                let waiters = inflight.entry(item.id).or_default();
-                waiters.push(tx);
-                waiters.len() == 1
-            };
-            if first {
-                let id = item.id;
-                if self.queue.send(Job { item }).await.is_err() {
-                    self.shared.finish(id, Err(ItemFailure::Internal("the encoder worker stopped".into())));
-                }
-            }
-            waits.push((index, rx));
+            .map_err(|e| EncoderError::Unavailable(e.to_string()))?
+            .map_err(cache_err)?;
+        let todo: Vec<EncodeItem> = items.into_iter().zip(ready).filter(|(_, r)| !r).map(|(i, _)| i).collect();
+        if todo.is_empty() {
+            return Ok(());
         }
-        let timeout_ms = self.timeout.as_millis() as u64;
-        tokio::time::timeout(self.timeout, async {
-            for (index, rx) in waits {
-                match rx.await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(ItemFailure::Bad(message))) => return Err(EncoderError::BadItem { index, message }),
-                    Ok(Err(ItemFailure::Internal(message))) => return Err(EncoderError::Internal(message)),
-                    Err(_) => return Err(EncoderError::Internal("the encoder worker dropped an item".into())),
-                }
+        // The request that created an item may still be writing its bytes: wait here, so
+        // the worker only ever gets items it can read.
+        let ids: Vec<u64> = todo.iter().map(|i| i.id).collect();
+        let timeout_ms = t.as_millis() as u64;
+        self.cache
+            .call(|c| async move { c.wait_items_data(deadline(t + Duration::from_secs(1)), ids, timeout_ms).await })
+            .await
+            .map_err(|e| EncoderError::Unavailable(e.to_string()))?
+            .map_err(cache_err)?;
+
+        let mut waits = Vec::with_capacity(todo.len());
+        for item in todo {
+            let (tx, rx) = oneshot::channel();
+            waits.push(rx);
+            let Some(tx) = self.join_inflight(item.id, tx) else { continue };
+            // Reserve room in the queue before registering, so that nothing can be
+            // cancelled between registering an item and queueing its job.
+            let permit = self.queue.reserve().await.map_err(|_| EncoderError::Internal("the worker stopped".into()))?;
+            let mut inflight = self.shared.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            let waiters = inflight.entry(item.id).or_default();
+            waiters.push(tx);
+            if waiters.len() == 1 {
+                permit.send(Job { item });
             }
-            Ok(())
-        })
-        .await
-        .map_err(|_| EncoderError::Timeout(timeout_ms))?
+        }
+        for rx in waits {
+            match rx.await {
+                Ok(Ok(())) => {}
+                Ok(Err(ItemFailure::Bad(message))) => return Err(EncoderError::BadItem { index: 0, message }),
+                Ok(Err(ItemFailure::Gone(message))) => return Err(EncoderError::Unavailable(message)),
+                Ok(Err(ItemFailure::Internal(message))) => return Err(EncoderError::Internal(message)),
+                Err(_) => return Err(EncoderError::Internal("the encoder worker dropped an item".into())),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl EncoderService {
+    /// Adds `tx` to the waiters of an item already in flight; gives it back if the item
+    /// is not in flight.
+    fn join_inflight(&self, id: u64, tx: oneshot::Sender<ItemResult>) -> Option<oneshot::Sender<ItemResult>> {
+        let mut inflight = self.shared.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        match inflight.get_mut(&id) {
+            Some(waiters) => {
+                waiters.push(tx);
+                None
+            }
+            None => Some(tx),
+        }
+    }
+}
+
+impl Encoder for EncoderService {
+    async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
+        let timeout_ms = self.timeout.as_millis() as u64;
+        tokio::time::timeout(self.timeout, self.encode_inner(items))
+            .await
+            .map_err(|_| EncoderError::Timeout(timeout_ms))?
     }
 
     async fn stats(self, _: Context) -> EncoderStats {

@@ -10,7 +10,7 @@ use mmserve_embed_cache::ArenaView;
 use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
 use mmserve_models::LlavaVision;
 use mmserve_protocol::reconnect::CacheConnection;
-use mmserve_protocol::{EncodeItem, RpcFailure, deadline};
+use mmserve_protocol::{EncodeItem, deadline};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
@@ -107,22 +107,41 @@ impl Worker {
         if batch.is_empty() {
             return;
         }
+        // Pin the items (a reference of the encoder's own), so none can be evicted and
+        // its slots reused while its rows are being written.
+        let t = self.timeout;
         let ids: Vec<u64> = batch.iter().map(|i| i.id).collect();
-        let (t, timeout_ms) = (self.timeout, self.timeout.as_millis() as u64);
-        // The request that created an item may still be writing its bytes.
-        let wait_ids = ids.clone();
-        let waited = rt.block_on(self.cache.call(|c| async move {
-            c.wait_items_data(deadline(t + Duration::from_secs(1)), wait_ids, timeout_ms).await
-        }));
-        let ready = match waited {
-            Ok(Ok(())) => rt.block_on(self.cache.call(|c| async move { c.get_items_embed(deadline(t), ids).await })),
-            Ok(Err(e)) => return self.fail_all(&batch, internal(format!("item data: {e}"))),
-            Err(e) => return self.fail_all(&batch, internal(e)),
+        let pinned = match rt.block_on(self.cache.call(|c| async move { c.pin(deadline(t), ids).await })) {
+            Ok(p) => p,
+            Err(e) => return self.fail_all(&batch, ItemFailure::Gone(e.to_string())),
         };
-        let ready = match ready {
+        let mut kept = Vec::with_capacity(batch.len());
+        for (item, ok) in batch.into_iter().zip(pinned) {
+            if ok {
+                kept.push(item);
+            } else {
+                let gone = "the item left the embed cache before it was encoded; retry the request";
+                self.shared.finish(item.id, Err(ItemFailure::Gone(gone.into())));
+            }
+        }
+        if kept.is_empty() {
+            return;
+        }
+        let pinned_ids: Vec<u64> = kept.iter().map(|i| i.id).collect();
+        self.encode_pinned(kept, rt);
+        if let Err(e) = rt.block_on(self.cache.call(|c| async move { c.release(deadline(t), pinned_ids).await })) {
+            // A broken connection releases the pins by itself.
+            tracing::warn!("releasing the encoder's pins: {e}");
+        }
+    }
+
+    fn encode_pinned(&mut self, batch: Vec<EncodeItem>, rt: &Handle) {
+        let t = self.timeout;
+        let ids: Vec<u64> = batch.iter().map(|i| i.id).collect();
+        let ready = match rt.block_on(self.cache.call(|c| async move { c.get_items_embed(deadline(t), ids).await })) {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => return self.fail_all(&batch, internal(e)),
-            Err(e) => return self.fail_all(&batch, internal(e)),
+            Err(e) => return self.fail_all(&batch, ItemFailure::Gone(e.to_string())),
         };
 
         // Preprocess what still needs encoding; bad items fail alone.
@@ -158,7 +177,7 @@ impl Worker {
                 todo.iter().for_each(|i| self.shared.finish(i.id, Ok(())));
             }
             Ok(Err(e)) => self.fail_all(&todo, internal(e)),
-            Err(e @ RpcFailure { .. }) => self.fail_all(&todo, internal(e)),
+            Err(e) => self.fail_all(&todo, ItemFailure::Gone(e.to_string())),
         }
     }
 

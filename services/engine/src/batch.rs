@@ -85,7 +85,15 @@ impl Batcher {
 
     fn apply(&mut self, cmd: Command, waiting: &mut VecDeque<GenerateRequest>, running: &mut Vec<Sequence>) {
         match cmd {
-            Command::Submit(req) => waiting.push_back(*req),
+            Command::Submit(req) => {
+                // Submitted against arenas that a Remap has since replaced: cannot run.
+                if !req.items.is_empty() && req.cache_instance != self.arena.info.instance {
+                    let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
+                    self.outbox.push(req.client, [finish_event(req.id, reason)]);
+                } else {
+                    waiting.push_back(*req);
+                }
+            }
             Command::Remap(view) => {
                 self.arena = *view;
                 // Requests not yet prefilled refer to the old arenas: they cannot run.
@@ -94,7 +102,7 @@ impl Batcher {
                     std::mem::take(waiting).into_iter().partition(|r| r.cache_instance == instance);
                 *waiting = keep;
                 for req in stale {
-                    let reason = FinishReason::Error("the embed cache restarted; retry the request".into());
+                    let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
                     self.outbox.push(req.client, [finish_event(req.id, reason)]);
                 }
             }

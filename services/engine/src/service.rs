@@ -88,7 +88,7 @@ impl EngineService {
         let tx = guard.as_ref().ok_or(EngineError::ShuttingDown)?;
         match tx.try_send(cmd) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(EngineError::Invalid("the engine's queue is full".into())),
+            Err(TrySendError::Full(_)) => Err(EngineError::Unavailable("the engine's queue is full; retry".into())),
             Err(TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
         }
     }
