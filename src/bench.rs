@@ -17,6 +17,22 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 pub enum Bench {
     /// The embed cache's alloc/release path.
     Cache(CacheBench),
+    /// Decoding and preprocessing, one thread, per file.
+    Preprocess(PreprocessBench),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PreprocessBench {
+    /// A preprocessor_config.json (CLIP, Qwen2-VL or Whisper).
+    #[arg(long)]
+    pub preprocessor: PathBuf,
+    /// Runs per file.
+    #[arg(long, default_value_t = 5)]
+    pub repeat: u32,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    pub files: Vec<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -51,7 +67,47 @@ pub struct CacheBench {
 pub async fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::Cache(b) => cache(b).await,
+        Bench::Preprocess(b) => preprocess(b),
     }
+}
+
+/// Per file: the encoder's work (decode and preprocess) and the api's (header check and
+/// digests), seconds per item, best of `repeat` runs after one warm-up.
+fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
+    use crate::preprocess::{Preprocessor, run_one};
+    let pre = Preprocessor::load(&b.preprocessor)?;
+    let model_config = serde_json::json!({"model_type": "llava", "vision_config": {"image_size": 336, "patch_size": 14}});
+    if !b.json {
+        println!("{:<40} {:>14} {:>12} {:>14}", "file", "encoder (ms)", "items/s", "api hash (ms)");
+    }
+    for file in &b.files {
+        let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+            f()?;
+            let mut best = f64::MAX;
+            for _ in 0..b.repeat.max(1) {
+                let t0 = Instant::now();
+                f()?;
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            Ok(best)
+        };
+        let encoder = time(&|| run_one(&pre, Some(&model_config), &bytes).map(drop))?;
+        let api = time(&|| {
+            if matches!(pre, Preprocessor::Image(_)) {
+                mmserve_media::image_header(&bytes)?;
+            }
+            std::hint::black_box(ItemDigest::compute(Modality::Image, "bench", &bytes));
+            Ok(())
+        })?;
+        let name = file.display().to_string();
+        if b.json {
+            println!("{}", serde_json::json!({"file": name, "seconds": encoder, "api_seconds": api}));
+        } else {
+            println!("{name:<40} {:>14.3} {:>12.1} {:>14.3}", encoder * 1e3, 1.0 / encoder, api * 1e3);
+        }
+    }
+    Ok(())
 }
 
 /// A cache started for the run; stopped on drop.

@@ -5,6 +5,7 @@
 
 mod bench;
 mod cache_cli;
+mod preprocess;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +31,8 @@ enum Command {
     Api(mmserve_api::ApiArgs),
     /// Inspect and manage a running embed cache (its admin listener).
     Cache(cache_cli::CacheCli),
+    /// Write what the encoder would receive for one image or audio file.
+    Preprocess(preprocess::PreprocessArgs),
     /// Benchmarks against real services.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -47,7 +50,7 @@ fn main() -> anyhow::Result<()> {
     // The cache decides everything under one lock in microseconds: one thread serves it
     // best (no work stealing, no lock handoffs between threads). The others use all cores.
     let rt = match cli.command {
-        Command::EmbedCache(_) | Command::Bench(_) => {
+        Command::EmbedCache(_) | Command::Bench(_) | Command::Preprocess(_) => {
             tokio::runtime::Builder::new_current_thread().enable_all().build()?
         }
         _ => tokio::runtime::Builder::new_multi_thread().enable_all().build()?,
@@ -62,6 +65,7 @@ fn main() -> anyhow::Result<()> {
             Command::Api(args) => Ok(mmserve_api::run(args, shutdown()).await?),
             Command::Cache(cli) => cache_cli::run(cli).await,
             Command::Bench(b) => bench::run(b).await,
+            Command::Preprocess(args) => preprocess::run(args),
         }
     })
 }

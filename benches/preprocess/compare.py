@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Preprocessing speed: mmserve against transformers' PIL processors and numpy feature
+extractor, on the same inputs, single-threaded, in one run. Run by hand (not in CI):
+
+    python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install transformers pillow numpy soundfile
+    cargo build --release
+    /tmp/hfenv/bin/python benches/preprocess/compare.py target/release/mmserve
+
+Images: JPEG and PNG at 256², 512², 1024² and 2048² (photo-like content), through
+CLIP-336 (LLaVA-1.5) and Qwen2-VL. Audio: 30 s of 16 kHz WAV through Whisper features
+(128 mel bins). Each side decodes the bytes and preprocesses; the figure is items (or
+seconds of audio) per second; the ratio is mmserve over transformers.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import soundfile as sf  # noqa: E402
+from PIL import Image  # noqa: E402
+from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, WhisperFeatureExtractor  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = [256, 512, 1024, 2048]
+REPEAT = {256: 20, 512: 10, 1024: 4, 2048: 2}
+
+
+def photo(size, seed):
+    """Smooth colour fields plus fine noise: compresses like a photograph."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size] / size
+    base = np.stack([np.sin(6 * x + 2 * y), np.cos(5 * y - 3 * x), np.sin(4 * (x + y))], -1)
+    img = (base * 0.4 + 0.5 + rng.normal(0, 0.04, (size, size, 3))).clip(0, 1)
+    return Image.fromarray((img * 255).astype(np.uint8))
+
+
+def make_inputs(d):
+    files = []
+    for size in SIZES:
+        img = photo(size, size)
+        for fmt, ext in (("JPEG", "jpg"), ("PNG", "png")):
+            p = os.path.join(d, f"img{size}.{ext}")
+            img.save(p, fmt, quality=90) if fmt == "JPEG" else img.save(p, fmt)
+            files.append((p, size))
+    t = np.arange(30 * 16000) / 16000
+    wave = (0.3 * np.sin(2 * np.pi * (200 + 300 * t) * t) + 0.05 * np.random.default_rng(0).normal(size=t.size))
+    audio = os.path.join(d, "speech30s.wav")
+    sf.write(audio, wave.astype(np.float32), 16000, subtype="PCM_16")
+    return files, audio
+
+
+def time_images(proc, files):
+    per_size = {}
+    for path, size in files:
+        data = open(path, "rb").read()
+        n = REPEAT[size]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            img = Image.open(io.BytesIO(data)).convert("RGB")
+            proc(images=img, return_tensors="np")
+        per_size.setdefault(size, []).append((time.perf_counter() - t0) / n)
+    return per_size
+
+
+def time_audio(fe, path, n=5):
+    data = open(path, "rb").read()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        wave, sr = sf.read(io.BytesIO(data), dtype="float32")
+        fe(wave, sampling_rate=sr, return_tensors="np", return_attention_mask=True)
+    return (time.perf_counter() - t0) / n
+
+
+def ours(binary, config, files, repeat):
+    out = subprocess.run(
+        [binary, "bench", "preprocess", "--preprocessor", config, "--repeat", str(repeat), "--json", *files],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return {r["file"]: r["seconds"] for r in map(json.loads, out.splitlines())}
+
+
+def main():
+    binary = sys.argv[1] if len(sys.argv) > 1 else "target/release/mmserve"
+    with tempfile.TemporaryDirectory() as d:
+        files, audio = make_inputs(d)
+        print(f"{'processor':<10} {'input':<14} {'transformers/s':>15} {'mmserve/s':>10} {'ratio':>7}")
+        for name, cls, cfg in (("clip-336", CLIPImageProcessor, "clip-336"), ("qwen2-vl", Qwen2VLImageProcessor, "qwen2-vl")):
+            cfg_path = os.path.join(HERE, "configs", cfg, "preprocessor_config.json")
+            proc = cls(**json.load(open(cfg_path)))
+            theirs = time_images(proc, files)
+            mine = ours(binary, cfg_path, [p for p, _ in files], 4)
+            tot_t = tot_m = 0.0
+            for (path, size), t in zip(files, [x for s in SIZES for x in theirs[s]]):
+                m = mine[path]
+                tot_t += t
+                tot_m += m
+                print(f"{name:<10} {os.path.basename(path):<14} {1 / t:>15.1f} {1 / m:>10.1f} {t / m:>7.2f}")
+            print(f"{name:<10} {'mix (all 8)':<14} {len(files) / tot_t:>15.1f} {len(files) / tot_m:>10.1f} {tot_t / tot_m:>7.2f}")
+        cfg_path = os.path.join(HERE, "configs", "whisper-128", "preprocessor_config.json")
+        fe = WhisperFeatureExtractor(**json.load(open(cfg_path)))
+        t = time_audio(fe, audio)
+        m = ours(binary, cfg_path, [audio], 5)[audio]
+        print(f"{'whisper':<10} {'30 s WAV':<14} {30 / t:>15.1f} {30 / m:>10.1f} {t / m:>7.2f}   (seconds of audio per second)")
+
+
+if __name__ == "__main__":
+    main()
