@@ -67,7 +67,7 @@ async fn allowed_fetches_work_and_the_rest_is_refused() {
 
 #[tokio::test]
 async fn oversized_and_bomb_images_are_refused_before_decoding() {
-    let server = Server::start(&["--max-item-bytes", "5000"]);
+    let server = Server::start(&["--max-item-bytes", "5000", "--max-body-bytes", "20000"]);
     // The fixture PNG is 11 KB: over the byte limit.
     refused(&server, &data_url(&fixture_png()), "limit of 5000 bytes").await;
     // A PNG header claiming 100000×100000 pixels, a few dozen bytes long.
@@ -78,6 +78,11 @@ async fn oversized_and_bomb_images_are_refused_before_decoding() {
     let (status, body) = server.chat(&json!({"messages": [{"role": "user", "content": content}]})).await;
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("limit is 16"), "{body}");
+    // A body over --max-body-bytes: 413, in OpenAI's shape.
+    let big = "x".repeat(30_000);
+    let (status, body) = server.chat(&json!({"messages": [{"role": "user", "content": big}]})).await;
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(body["error"]["code"], "payload_too_large");
     server.stop();
 }
 
