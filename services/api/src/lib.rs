@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use mmserve_config::{ModelConfig, ModelDir};
 use mmserve_embed_cache::ArenaView;
-use mmserve_media::{ClipImageProcessor, ImageLimits};
+use mmserve_media::{ImageLimits, ImageProcessor};
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncoderClient, EngineClient, deadline, transport};
 use mmserve_text::{ChatTemplate, TextTokenizer};
@@ -167,7 +167,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
     let tokenizer = TextTokenizer::from_dir(&dir)?;
     let template = ChatTemplate::new(dir.chat_template()?.ok_or(mmserve_text::TextError::NoChatTemplate)?, &tokenizer)?;
     let pp = dir.optional_json("preprocessor_config.json")?.ok_or(ApiServiceError::NoPreprocessor)?;
-    let processor = ClipImageProcessor::from_json(&pp)?;
+    let processor = ImageProcessor::from_json(&pp)?;
     let name = args.served_model_name.clone().unwrap_or_else(|| dir.name.clone());
     let local_root = match &args.media.allowed_local_media_path {
         Some(p) => {
@@ -215,6 +215,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
                 max_redirects: args.media.media_max_redirects,
             },
             cpu_slots: Arc::new(tokio::sync::Semaphore::new(workers)),
+            processor,
         },
         info.max_model_len,
         (cache, encoder, engine),

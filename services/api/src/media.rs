@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use mmserve_media::{ImageLimits, image_dimensions};
+use mmserve_media::{ImageLimits, ImageProcessor, image_header};
 use mmserve_protocol::{ItemDigest, Modality};
 use tokio::sync::Semaphore;
 
@@ -29,14 +29,17 @@ pub struct MediaLimits {
     pub fetch: FetchPolicy,
     /// Items being checked and hashed at once; a burst of large images queues here.
     pub cpu_slots: Arc<Semaphore>,
+    /// The model's image processor: size checks and, where it decides, token counts.
+    pub processor: ImageProcessor,
 }
 
-/// Fetches, checks and keys one image.
+/// Fetches, checks and keys one image; `model_tokens` is the count when the model
+/// fixes it (LLaVA), otherwise the processor computes it from the header (Qwen2-VL).
 pub async fn prepare_image(
     url: &str,
     limits: &MediaLimits,
     fingerprint: &str,
-    token_num: u32,
+    model_tokens: u32,
 ) -> Result<MediaItem, ApiError> {
     let bytes = fetch(url, &limits.fetch, "image_url").await?;
     let wait = Duration::from_secs(30);
@@ -44,10 +47,12 @@ pub async fn prepare_image(
         .await
         .map_err(|_| ApiError::Unavailable("too many images are being processed; try again".into()))?
         .map_err(|_| ApiError::Internal("the media pool is closed".into()))?;
-    let (image, fingerprint) = (limits.image, fingerprint.to_string());
+    let (image, fingerprint, processor) = (limits.image, fingerprint.to_string(), limits.processor.clone());
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let (w, h) = image_dimensions(&bytes).map_err(|e| ApiError::bad_param("image_url", e.to_string()))?;
+        let bad = |e: mmserve_media::MediaError| ApiError::bad_param("image_url", e.to_string());
+        let header = image_header(&bytes).map_err(bad)?;
+        let (w, h) = (header.width, header.height);
         if u64::from(w) * u64::from(h) > image.max_pixels {
             return Err(ApiError::bad_param(
                 "image_url",
@@ -60,6 +65,10 @@ pub async fn prepare_image(
         if w == 0 || h == 0 {
             return Err(ApiError::bad_param("image_url", "the image has no pixels"));
         }
+        let token_num = match processor.num_tokens(w, h).map_err(bad)? {
+            Some(n) => u32::try_from(n).map_err(|_| ApiError::bad_param("image_url", "the image is too large"))?,
+            None => model_tokens,
+        };
         let digest = ItemDigest::compute(Modality::Image, &fingerprint, &bytes);
         Ok(MediaItem { bytes, digest, modality: Modality::Image, token_num })
     })
