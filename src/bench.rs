@@ -76,7 +76,8 @@ pub async fn run(bench: Bench) -> anyhow::Result<()> {
 fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     use crate::preprocess::{Preprocessor, run_one};
     let pre = Preprocessor::load(&b.preprocessor)?;
-    let model_config = serde_json::json!({"model_type": "llava", "vision_config": {"image_size": 336, "patch_size": 14}});
+    let model_config =
+        serde_json::json!({"model_type": "llava", "vision_config": {"image_size": 336, "patch_size": 14}});
     if !b.json {
         println!("{:<40} {:>14} {:>12} {:>14}", "file", "encoder (ms)", "items/s", "api hash (ms)");
     }

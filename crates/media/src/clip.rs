@@ -9,12 +9,12 @@ use serde_json::{Map, Value};
 
 use crate::{MediaError, resample::resize_bicubic_window};
 
-const OPENAI_CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-const OPENAI_CLIP_STD: [f64; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+pub(crate) const OPENAI_CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+pub(crate) const OPENAI_CLIP_STD: [f64; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 /// PIL's `Image.BICUBIC`.
-const PIL_BICUBIC: u64 = 3;
+pub(crate) const PIL_BICUBIC: u64 = 3;
 /// PIL stores sizes in C ints.
-const MAX_SIDE: u64 = i32::MAX as u64;
+pub(crate) const MAX_SIDE: u64 = i32::MAX as u64;
 
 /// How `size` resizes an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,16 +36,16 @@ pub struct ClipImageProcessor {
     convert_rgb: bool,
 }
 
-fn bad(msg: impl Into<String>) -> MediaError {
+pub(crate) fn bad(msg: impl Into<String>) -> MediaError {
     MediaError::BadConfig(msg.into())
 }
 
 /// The field, treating `null` as absent.
-fn field<'a>(cfg: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn field<'a>(cfg: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     cfg.get(key).filter(|v| !v.is_null())
 }
 
-fn flag(cfg: &Map<String, Value>, key: &str) -> Result<bool, MediaError> {
+pub(crate) fn flag(cfg: &Map<String, Value>, key: &str) -> Result<bool, MediaError> {
     field(cfg, key).map_or(Ok(true), |v| v.as_bool().ok_or_else(|| bad(format!("`{key}` must be a boolean"))))
 }
 
@@ -89,7 +89,7 @@ fn parse_crop(v: &Value) -> Result<(u32, u32), MediaError> {
     }
 }
 
-fn parse_triple(cfg: &Map<String, Value>, key: &str, default: [f64; 3]) -> Result<[f32; 3], MediaError> {
+pub(crate) fn parse_triple(cfg: &Map<String, Value>, key: &str, default: [f64; 3]) -> Result<[f32; 3], MediaError> {
     let err = || bad(format!("`{key}` must be a number or a list of 3 numbers"));
     let Some(v) = field(cfg, key) else {
         return Ok(default.map(|x| x as f32));
@@ -109,6 +109,68 @@ fn parse_triple(cfg: &Map<String, Value>, key: &str, default: [f64; 3]) -> Resul
     Ok(t.map(|x| x as f32))
 }
 
+/// Only PIL's bicubic (3, the default) is implemented.
+pub(crate) fn check_resample(cfg: &Map<String, Value>) -> Result<(), MediaError> {
+    let resample = field(cfg, "resample").map_or(Some(PIL_BICUBIC), Value::as_u64);
+    if resample != Some(PIL_BICUBIC) {
+        return Err(bad(format!(
+            "resample mode {} is not supported (only 3, bicubic)",
+            field(cfg, "resample").unwrap_or(&Value::Null)
+        )));
+    }
+    Ok(())
+}
+
+/// How a u8 level becomes a value: rescale factor, and mean and std.
+pub(crate) type Levels = (Option<f64>, Option<([f32; 3], [f32; 3])>);
+
+/// `do_rescale`, `rescale_factor`, `do_normalize`, `image_mean`, `image_std`.
+pub(crate) fn parse_levels(cfg: &Map<String, Value>) -> Result<Levels, MediaError> {
+    let rescale = match flag(cfg, "do_rescale")? {
+        true => {
+            let f = field(cfg, "rescale_factor").map_or(Some(1.0 / 255.0), Value::as_f64);
+            Some(f.filter(|f| f.is_finite()).ok_or_else(|| bad("`rescale_factor` must be a number"))?)
+        }
+        false => None,
+    };
+    let normalize = match flag(cfg, "do_normalize")? {
+        true => {
+            let mean = parse_triple(cfg, "image_mean", OPENAI_CLIP_MEAN)?;
+            let std = parse_triple(cfg, "image_std", OPENAI_CLIP_STD)?;
+            if std.contains(&0.0) || mean.iter().chain(&std).any(|x| !x.is_finite()) {
+                return Err(bad("`image_mean` and `image_std` must be finite, and `image_std` non-zero"));
+            }
+            Some((mean, std))
+        }
+        false => None,
+    };
+    Ok((rescale, normalize))
+}
+
+/// Per channel, transformers' f32 value of each u8 level: `f32(level · factor)` (the
+/// product in f64), then `(x - mean) / std` in f32.
+pub(crate) fn level_table((rescale, normalize): Levels) -> [[f32; 256]; 3] {
+    std::array::from_fn(|c| {
+        std::array::from_fn(|v| {
+            let mut x = match rescale {
+                Some(f) => (v as f64 * f) as f32,
+                None => v as f32,
+            };
+            if let Some((mean, std)) = normalize {
+                x = (x - mean[c]) / std[c];
+            }
+            x
+        })
+    })
+}
+
+/// A canonical text of the level mapping, for fingerprints.
+pub(crate) fn levels_fingerprint((rescale, normalize): Levels) -> String {
+    let rescale = rescale.map_or("none".into(), |f| format!("{f:?}"));
+    let normalize = normalize.map_or("none".into(), |(m, s)| format!("mean{m:?}std{s:?}"));
+    format!("rescale={rescale};normalize={normalize}")
+}
+
 /// floor((full - crop) / 2): the crop's first row (or column) in the resized image;
 /// negative when the crop is larger and transformers pads with zeros.
 fn crop_offset(full: u64, crop: u32) -> i64 {
@@ -126,13 +188,7 @@ impl ClipImageProcessor {
                 return Err(bad(format!("image processor type {t:?} is not supported (only CLIPImageProcessor)")));
             }
         }
-        let resample = field(cfg, "resample").map_or(Some(PIL_BICUBIC), Value::as_u64);
-        if resample != Some(PIL_BICUBIC) {
-            return Err(bad(format!(
-                "resample mode {} is not supported (only 3, bicubic)",
-                field(cfg, "resample").unwrap_or(&Value::Null)
-            )));
-        }
+        check_resample(cfg)?;
         let resize = match flag(cfg, "do_resize")? {
             true => Some(field(cfg, "size").map_or(Ok(Resize::ShortestEdge(224)), parse_size)?),
             false => None,
@@ -146,24 +202,7 @@ impl ClipImageProcessor {
                 "without a centre crop, `size` must be {\"height\", \"width\"} (the output size must not depend on the image)",
             ));
         }
-        let rescale = match flag(cfg, "do_rescale")? {
-            true => {
-                let f = field(cfg, "rescale_factor").map_or(Some(1.0 / 255.0), Value::as_f64);
-                Some(f.filter(|f| f.is_finite()).ok_or_else(|| bad("`rescale_factor` must be a number"))?)
-            }
-            false => None,
-        };
-        let normalize = match flag(cfg, "do_normalize")? {
-            true => {
-                let mean = parse_triple(cfg, "image_mean", OPENAI_CLIP_MEAN)?;
-                let std = parse_triple(cfg, "image_std", OPENAI_CLIP_STD)?;
-                if std.contains(&0.0) || mean.iter().chain(&std).any(|x| !x.is_finite()) {
-                    return Err(bad("`image_mean` and `image_std` must be finite, and `image_std` non-zero"));
-                }
-                Some((mean, std))
-            }
-            false => None,
-        };
+        let (rescale, normalize) = parse_levels(cfg)?;
         Ok(Self { resize, crop, rescale, normalize, convert_rgb: flag(cfg, "do_convert_rgb")? })
     }
 
@@ -185,39 +224,45 @@ impl ClipImageProcessor {
             None => "none".into(),
         };
         let crop = self.crop.map_or("none".into(), |(h, w)| format!("{h}x{w}"));
-        let rescale = self.rescale.map_or("none".into(), |f| format!("{f:?}"));
-        let normalize = self.normalize.map_or("none".into(), |(m, s)| format!("mean{m:?}std{s:?}"));
         format!(
-            "clip-pil-v1;convert_rgb={};resize={resize};resample=bicubic;crop={crop};rescale={rescale};normalize={normalize}",
-            self.convert_rgb
+            "clip-pil-v1;convert_rgb={};resize={resize};resample=bicubic;crop={crop};{}",
+            self.convert_rgb,
+            levels_fingerprint((self.rescale, self.normalize))
         )
+    }
+
+    /// `(height, width)` of the resize (before the crop) for an image of this size, or why
+    /// it cannot be preprocessed; needs only the header's size.
+    pub fn resized_size(&self, width: u32, height: u32) -> Result<(u64, u64), MediaError> {
+        if width == 0 || height == 0 {
+            return Err(MediaError::ZeroSized);
+        }
+        // transformers' get_resize_output_image_size(default_to_square=False).
+        let (rh, rw) = match self.resize {
+            None => (u64::from(height), u64::from(width)),
+            Some(Resize::Exact { height, width }) => (u64::from(height), u64::from(width)),
+            Some(Resize::ShortestEdge(n)) => {
+                let (short, long) = (width.min(height), width.max(height));
+                let new_long = ((u64::from(n) * u64::from(long)) as f64 / f64::from(short)) as u64;
+                if width <= height { (new_long, u64::from(n)) } else { (u64::from(n), new_long) }
+            }
+        };
+        if rh > MAX_SIDE || rw > MAX_SIDE {
+            return Err(MediaError::ExtremeAspectRatio { width, height, resized_width: rw, resized_height: rh });
+        }
+        Ok((rh, rw))
+    }
+
+    /// Whether an image of this size can be preprocessed (see [`Self::resized_size`]).
+    pub fn check_size(&self, width: u32, height: u32) -> Result<(), MediaError> {
+        self.resized_size(width, height).map(|_| ())
     }
 
     /// The `[3, height, width]` CHW pixel values (flattened) that transformers
     /// computes for this image (`pixel_values[0]`).
     pub fn preprocess(&self, img: &RgbImage) -> Result<Vec<f32>, MediaError> {
         let (in_w, in_h) = img.dimensions();
-        if in_w == 0 || in_h == 0 {
-            return Err(MediaError::ZeroSized);
-        }
-        // transformers' get_resize_output_image_size(default_to_square=False).
-        let (rh, rw) = match self.resize {
-            None => (u64::from(in_h), u64::from(in_w)),
-            Some(Resize::Exact { height, width }) => (u64::from(height), u64::from(width)),
-            Some(Resize::ShortestEdge(n)) => {
-                let (short, long) = (in_w.min(in_h), in_w.max(in_h));
-                let new_long = ((u64::from(n) * u64::from(long)) as f64 / f64::from(short)) as u64;
-                if in_w <= in_h { (new_long, u64::from(n)) } else { (u64::from(n), new_long) }
-            }
-        };
-        if rh > MAX_SIDE || rw > MAX_SIDE {
-            return Err(MediaError::ExtremeAspectRatio {
-                width: in_w,
-                height: in_h,
-                resized_width: rw,
-                resized_height: rh,
-            });
-        }
+        let (rh, rw) = self.resized_size(in_w, in_h)?;
         let (ch, cw) = self.crop.unwrap_or((rh as u32, rw as u32));
         let (top, left) = (crop_offset(rh, ch), crop_offset(rw, cw));
         // The part of the crop that lies inside the resized image.
@@ -226,18 +271,7 @@ impl ClipImageProcessor {
         let window = resize_bicubic_window(img, rw as u32, rh as u32, cols.clone(), rows.clone());
 
         // Per channel, the f32 value of each u8 level (padding is level 0).
-        let lut: [[f32; 256]; 3] = std::array::from_fn(|c| {
-            std::array::from_fn(|v| {
-                let mut x = match self.rescale {
-                    Some(f) => (v as f64 * f) as f32,
-                    None => v as f32,
-                };
-                if let Some((mean, std)) = self.normalize {
-                    x = (x - mean[c]) / std[c];
-                }
-                x
-            })
-        });
+        let lut = level_table((self.rescale, self.normalize));
         let (ch, cw) = (ch as usize, cw as usize);
         let mut out: Vec<f32> = (0..3).flat_map(|c| std::iter::repeat_n(lut[c][0], ch * cw)).collect();
         let (y0, x0) = ((i64::from(rows.start) - top) as usize, (i64::from(cols.start) - left) as usize);

@@ -21,6 +21,11 @@ pub enum MediaError {
         "the image's aspect ratio is too extreme: {width}x{height} pixels would have to be resized to {resized_width}x{resized_height}"
     )]
     ExtremeAspectRatio { width: u32, height: u32, resized_width: u64, resized_height: u64 },
+    /// The image is too elongated for the processor (Qwen2-VL's `smart_resize`).
+    #[error(
+        "the image's aspect ratio is too extreme: {width}x{height} pixels (the longer side may be at most {max_ratio} times the shorter)"
+    )]
+    AspectRatio { width: u32, height: u32, max_ratio: u32 },
     /// `preprocessor_config.json` holds something this crate does not implement or that is invalid.
     #[error("bad image preprocessor config: {0}")]
     BadConfig(String),

@@ -6,16 +6,26 @@
 //! - [`resize_bicubic`]: PIL's fixed-point bicubic resize, bit-exact, and
 //!   [`resize_bicubic_window`] for a crop of it.
 //! - [`ClipImageProcessor`]: `preprocessor_config.json` → CHW `f32` pixel values.
+//! - [`image_header`]: format and size (after EXIF orientation) from the header alone.
+//! - [`Qwen2VlImageProcessor`]: Qwen2-VL / Qwen2.5-VL `smart_resize`, patches and token counts.
+//! - [`ImageProcessor`]: whichever of the two a `preprocessor_config.json` names.
 
 pub mod audio;
 pub mod clip;
 pub mod decode;
 pub mod error;
+pub mod header;
+mod jpeg;
+mod orient;
+pub mod processor;
 pub mod qwen2vl;
 pub mod resample;
 
 pub use clip::{ClipImageProcessor, Resize};
 pub use decode::{ImageLimits, decode_image, image_dimensions};
 pub use error::MediaError;
+pub use header::{ImageFormat, ImageHeader, image_header};
 pub use image::RgbImage;
+pub use processor::{ImagePixels, ImageProcessor};
+pub use qwen2vl::{Qwen2VlImageProcessor, Qwen2VlPixels, smart_resize};
 pub use resample::{resize_bicubic, resize_bicubic_window};

@@ -1,7 +1,8 @@
 //! PIL's `Image.resize(size, Image.BICUBIC)` on RGB8, reproduced bit for bit.
 //!
-//! Pillow (`libImaging/Resample.c`) resizes with two separable passes, horizontal
-//! first, through a uint8 intermediate. For each output pixel it takes the input
+//! Pillow (`libImaging/Resample.c`) resizes with two separable passes through a uint8
+//! intermediate (horizontal first unless the height shrinks much more than the width,
+//! since Pillow 13). For each output pixel it takes the input
 //! window `center ± support` (support = 2 × the downscale factor, at least 2),
 //! evaluates the bicubic kernel (a = −0.5) at the scaled distances, normalises the
 //! weights to sum 1 in f64, quantises them to 22-bit fixed point (round half away
@@ -69,26 +70,60 @@ fn clip8(acc: i32) -> u8 {
     (acc >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
-/// Applies `taps` along one axis of an interleaved RGB buffer holding `lines` lines,
-/// where sample `i` of line `l` is pixel `i * stride + l * line_stride`. Returns, per
-/// line, one RGB value per tap set.
-fn convolve(src: &[u8], stride: usize, line_stride: usize, taps: &[Taps], lines: usize) -> Vec<Vec<[u8; 3]>> {
-    (0..lines)
-        .map(|line| {
-            taps.iter()
-                .map(|t| {
-                    let mut acc = [1i32 << (PRECISION_BITS - 1); 3];
-                    for (i, &k) in t.weights.iter().enumerate() {
-                        let p = ((t.first + i) * stride + line * line_stride) * 3;
-                        for (a, &v) in acc.iter_mut().zip(&src[p..p + 3]) {
-                            *a += i32::from(v) * k;
-                        }
-                    }
-                    acc.map(clip8)
-                })
-                .collect()
-        })
-        .collect()
+/// Horizontal pass: for each of `rows` rows of `src` (`width` RGB pixels each) and each
+/// tap set, the clipped weighted sum. Returns `[row][tap set]` RGB.
+fn horizontal(src: &[u8], width: usize, rows: Range<usize>, taps: &[Taps]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows.len() * taps.len() * 3);
+    for y in rows {
+        let line = &src[y * width * 3..(y + 1) * width * 3];
+        for t in taps {
+            let mut acc = [1i32 << (PRECISION_BITS - 1); 3];
+            for (px, &k) in line[t.first * 3..].chunks_exact(3).zip(&t.weights) {
+                for (a, &v) in acc.iter_mut().zip(px) {
+                    *a += i32::from(v) * k;
+                }
+            }
+            out.extend(acc.map(clip8));
+        }
+    }
+    out
+}
+
+/// Vertical pass over the pixel columns `cols` of `src` (`width` RGB pixels per row): for
+/// each tap set, a row of clipped weighted sums (accumulated row by row, the same integers
+/// as Pillow's column by column). Returns `[tap set][column]` RGB.
+fn vertical(src: &[u8], width: usize, cols: Range<usize>, taps: &[Taps]) -> Vec<u8> {
+    let (start, end) = (cols.start * 3, cols.end * 3);
+    let mut out = Vec::with_capacity(taps.len() * (end - start));
+    let mut acc = vec![0i32; end - start];
+    for t in taps {
+        acc.fill(1 << (PRECISION_BITS - 1));
+        for (i, &k) in t.weights.iter().enumerate() {
+            let row = (t.first + i) * width * 3;
+            for (a, &v) in acc.iter_mut().zip(&src[row + start..row + end]) {
+                *a += i32::from(v) * k;
+            }
+        }
+        out.extend(acc.iter().map(|&a| clip8(a)));
+    }
+    out
+}
+
+/// One axis' taps for the outputs in `out`; a unit tap when the size does not change
+/// (Pillow skips that pass; a unit weight gives the same values).
+fn axis_taps(in_size: u32, out_size: u32, out: Range<u32>) -> Vec<Taps> {
+    if in_size == out_size {
+        out.map(|i| Taps { first: i as usize, weights: vec![1 << PRECISION_BITS] }).collect()
+    } else {
+        taps(in_size, out_size, out)
+    }
+}
+
+/// The input band `[start, end)` the taps read, and the taps shifted to start at 0.
+fn band(taps: Vec<Taps>) -> (usize, usize, Vec<Taps>) {
+    let start = taps.iter().map(|t| t.first).min().unwrap_or(0);
+    let end = taps.iter().map(|t| t.first + t.weights.len()).max().unwrap_or(0);
+    (start, end.max(start), taps.into_iter().map(|t| Taps { first: t.first - start, ..t }).collect())
 }
 
 /// `img.resize((width, height), Image.BICUBIC)` as PIL computes it.
@@ -100,6 +135,11 @@ pub fn resize_bicubic(img: &RgbImage, width: u32, height: u32) -> RgbImage {
 /// without the rest of the resized image. The result is `cols.len() × rows.len()`
 /// pixels, identical to cropping the full resize.
 ///
+/// Like Pillow 13, the vertical pass runs first when the height shrinks by more than
+/// twice as many pixels as the width (`in_h - h > 0 && in_h - h > 2 · (in_w - w)`), the
+/// horizontal pass first otherwise; the order changes the result through the uint8
+/// intermediate.
+///
 /// # Panics
 /// If the window is not inside `0..width × 0..height`.
 pub fn resize_bicubic_window(img: &RgbImage, width: u32, height: u32, cols: Range<u32>, rows: Range<u32>) -> RgbImage {
@@ -107,49 +147,27 @@ pub fn resize_bicubic_window(img: &RgbImage, width: u32, height: u32, cols: Rang
         cols.start <= cols.end && cols.end <= width && rows.start <= rows.end && rows.end <= height,
         "window {cols:?}x{rows:?} outside {width}x{height}"
     );
-    let (in_w, in_h) = (img.width(), img.height());
+    let (in_w, in_h) = (img.width() as usize, img.height() as usize);
     let (out_w, out_h) = (cols.len(), rows.len());
     if out_w == 0 || out_h == 0 {
         return RgbImage::new(out_w as u32, out_h as u32);
     }
-    // Vertical taps, and the band of input rows they read.
-    let v_taps = if height == in_h {
-        rows.clone().map(|y| Taps { first: y as usize, weights: vec![1 << PRECISION_BITS] }).collect()
+    let h_taps = axis_taps(in_w as u32, width, cols);
+    let v_taps = axis_taps(in_h as u32, height, rows);
+    let (dh, dw) = (in_h as i64 - i64::from(height), in_w as i64 - i64::from(width));
+    let raw = img.as_raw();
+    let out = if dh > 0 && dh > 2 * dw {
+        // Vertical pass over the band of input columns the horizontal taps read, then horizontal.
+        let (start, end, h_taps) = band(h_taps);
+        let mid = vertical(raw, in_w, start..end, &v_taps);
+        horizontal(&mid, end - start, 0..out_h, &h_taps)
     } else {
-        taps(in_h, height, rows)
+        // Horizontal pass over the band of input rows the vertical taps read, then vertical.
+        let (start, end, v_taps) = band(v_taps);
+        let mid = horizontal(raw, in_w, start..end, &h_taps);
+        vertical(&mid, out_w, 0..out_w, &v_taps)
     };
-    let band_start = v_taps.iter().map(|t| t.first).min().unwrap_or(0);
-    let band_end = v_taps.iter().map(|t| t.first + t.weights.len()).max().unwrap_or(0);
-    let band_h = band_end.saturating_sub(band_start);
-    let band = &img.as_raw()[band_start * in_w as usize * 3..band_end * in_w as usize * 3];
-
-    // Horizontal pass over the band (uint8 intermediate, band_h × out_w).
-    let mid: Vec<u8> = if width == in_w {
-        (0..band_h)
-            .flat_map(|y| {
-                let row = y * in_w as usize * 3;
-                band[row + cols.start as usize * 3..row + cols.end as usize * 3].iter().copied()
-            })
-            .collect()
-    } else {
-        let h_taps = taps(in_w, width, cols);
-        convolve(band, 1, in_w as usize, &h_taps, band_h).into_iter().flatten().flatten().collect()
-    };
-
-    // Vertical pass: each column of `mid` is a line.
-    let mut out = RgbImage::new(out_w as u32, out_h as u32);
-    if height == in_h {
-        out.copy_from_slice(&mid);
-        return out;
-    }
-    let v_taps: Vec<Taps> = v_taps.into_iter().map(|t| Taps { first: t.first - band_start, ..t }).collect();
-    let columns = convolve(&mid, out_w, 1, &v_taps, out_w);
-    for (x, column) in columns.iter().enumerate() {
-        for (y, px) in column.iter().enumerate() {
-            out.put_pixel(x as u32, y as u32, image::Rgb(*px));
-        }
-    }
-    out
+    RgbImage::from_raw(out_w as u32, out_h as u32, out).expect("window size")
 }
 
 #[cfg(test)]
@@ -197,9 +215,21 @@ mod tests {
     }
 
     #[test]
+    fn pass_order_follows_pillow_13() {
+        // Height shrinks by more than twice the width's change: vertical pass first, which
+        // equals resizing the height alone, then the width.
+        let img = pattern(29, 40);
+        let two_step = |first: (u32, u32)| resize_bicubic(&resize_bicubic(&img, first.0, first.1), 33, 17);
+        assert_eq!(resize_bicubic(&img, 33, 17), two_step((29, 17)));
+        assert_ne!(resize_bicubic(&img, 33, 17), two_step((33, 40)));
+        // Otherwise horizontal first.
+        assert_eq!(resize_bicubic(&img, 20, 35), resize_bicubic(&resize_bicubic(&img, 20, 40), 20, 35));
+    }
+
+    #[test]
     fn window_equals_crop_of_full_resize() {
         let img = pattern(23, 11);
-        for (w, h) in [(23, 11), (7, 5), (50, 11), (23, 30), (61, 3)] {
+        for (w, h) in [(23, 11), (7, 5), (50, 11), (23, 30), (61, 3), (30, 4), (5, 3)] {
             let full = resize_bicubic(&img, w, h);
             for (cols, rows) in [(0..w, 0..h), (1..w - 1, h / 2..h), (w / 3..w / 3 + 1, 0..1), (2..2, 0..h)] {
                 let win = resize_bicubic_window(&img, w, h, cols.clone(), rows.clone());

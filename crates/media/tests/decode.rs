@@ -143,3 +143,53 @@ fn other_formats_decode() {
     assert_eq!(image_dimensions(&jpeg).unwrap(), (5, 4));
     assert_eq!(decode_image(&jpeg, &ImageLimits::default()).unwrap().dimensions(), (5, 4));
 }
+
+/// Headers that claim huge images, with (almost) no data: refused from the header alone,
+/// in microseconds, by `decode_image`; `image_header` reports the size.
+#[test]
+fn decompression_bombs_refused_from_the_header() {
+    use mmserve_media::{ImageFormat, image_header};
+    let jpeg = {
+        let mut j = vec![0xff, 0xd8];
+        j.extend([0xff, 0xc0, 0, 17, 8, 0xff, 0xff, 0xff, 0xff, 3, 1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1]);
+        j.extend([0xff, 0xda, 0, 12, 3, 1, 0, 2, 0x11, 3, 0x11, 0, 63, 0]);
+        j.extend([0xff, 0xd9]);
+        j
+    };
+    let gif = {
+        let mut g = b"GIF89a\xff\xff\xff\xff\x00\x00\x00".to_vec();
+        g.extend(b",\0\0\0\0\xff\xff\xff\xff\x00\x08\x01\x00\x00;");
+        g
+    };
+    let webp = {
+        let mut w = b"RIFF\x16\0\0\0WEBPVP8X\x0a\0\0\0\0\0\0\0".to_vec();
+        w.extend([0xff, 0x3f, 0, 0xff, 0x3f, 0]); // 16384 × 16384
+        w
+    };
+    let bmp = {
+        let mut b = b"BM\0\0\0\0\0\0\0\0\x36\0\0\0\x28\0\0\0".to_vec();
+        b.extend(100_000u32.to_le_bytes());
+        b.extend(100_000u32.to_le_bytes());
+        b.extend([1, 0, 24, 0]);
+        b.extend([0; 24]);
+        b
+    };
+    let cases = [
+        (png_header_only(100_000, 100_000), ImageFormat::Png, 100_000, 100_000),
+        (jpeg, ImageFormat::Jpeg, 65_535, 65_535),
+        (gif, ImageFormat::Gif, 65_535, 65_535),
+        (webp, ImageFormat::WebP, 16_384, 16_384),
+        (bmp, ImageFormat::Bmp, 100_000, 100_000),
+    ];
+    let start = std::time::Instant::now();
+    for (bytes, format, width, height) in &cases {
+        assert!(bytes.len() < 200, "{format:?}");
+        let h = image_header(bytes).unwrap();
+        assert_eq!((h.format, h.width, h.height), (*format, *width, *height));
+        let err = decode_image(bytes, &ImageLimits::default()).unwrap_err();
+        assert!(matches!(err, MediaError::TooLarge { .. }), "{format:?}: {err:?}");
+    }
+    let per_call = start.elapsed() / cases.len() as u32;
+    println!("header check of a bomb: {per_call:?}");
+    assert!(per_call < std::time::Duration::from_millis(5), "{per_call:?}");
+}

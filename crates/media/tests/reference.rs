@@ -88,3 +88,52 @@ fn qwen2_vl_upscale_matches_transformers() {
     println!("qwen2_vl first 24 patch rows max abs error: {err:e}");
     assert!(err <= 1e-6, "max abs error {err}");
 }
+
+/// `Qwen2VlImageProcessor` end to end (decode, smart_resize, resize, patches) against the
+/// Qwen2-VL fixture's `pixel_values` and `image_grid_thw`; and, where the shared fixtures
+/// are present, the full tensors of Qwen2-VL and Qwen2.5-VL.
+#[test]
+fn qwen2_vl_processor_matches_transformers() {
+    use mmserve_media::Qwen2VlImageProcessor;
+    let cfg: serde_json::Value = serde_json::json!({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"
+    });
+    let proc = Qwen2VlImageProcessor::from_json(&cfg).unwrap();
+    let img = decode_image(&read("tests/data/qwen2_vl_input.png"), &ImageLimits::default()).unwrap();
+    assert_eq!(proc.num_tokens(80, 100).unwrap(), 12);
+    let ours = proc.preprocess(&img).unwrap();
+    assert_eq!(ours.grid_thw, [1, 6, 8]);
+    assert_eq!((ours.num_patches(), ours.patch_dim()), (48, 1176));
+    let st_bytes = read("tests/data/qwen2_vl_reference_subset.safetensors");
+    let st = SafeTensors::deserialize(&st_bytes).unwrap();
+    let theirs = f32s(tensor(&st, "pixel_values_first24", Dtype::F32, &[24, 1176]));
+    let err = max_abs_diff(&ours.pixel_values[..24 * 1176], &theirs);
+    println!("qwen2_vl processor, first 24 rows: max abs error {err:e}");
+    assert!(err <= 1e-6, "max abs error {err}");
+
+    for model in ["qwen2_vl", "qwen2_5_vl"] {
+        let dir = format!("../../../shared/fixtures/models/{model}");
+        if !path(&dir).join("reference.safetensors").exists() {
+            println!("{dir}: not present, skipped");
+            continue;
+        }
+        let cfg: serde_json::Value = serde_json::from_slice(&read(&format!("{dir}/preprocessor_config.json"))).unwrap();
+        let proc = mmserve_media::ImageProcessor::from_json(&cfg).unwrap();
+        let img = decode_image(&read(&format!("{dir}/input.png")), &ImageLimits::default()).unwrap();
+        let st_bytes = read(&format!("{dir}/reference.safetensors"));
+        let st = SafeTensors::deserialize(&st_bytes).unwrap();
+        assert!(img.as_raw() == tensor(&st, "image_rgb_u8", Dtype::U8, &[80, 100, 3]), "{model} decode");
+        let ours = proc.preprocess(&img).unwrap();
+        assert_eq!(ours.shape(), [48, 1176]);
+        let theirs = f32s(tensor(&st, "pixel_values", Dtype::F32, &[48, 1176]));
+        let err = max_abs_diff(ours.pixel_values(), &theirs);
+        println!("{model} processor, all 48 rows: max abs error {err:e}");
+        assert!(err <= 1e-6, "{model}: max abs error {err}");
+        let thw = tensor(&st, "image_grid_thw", Dtype::I64, &[1, 3]);
+        let thw: Vec<i64> = thw.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(thw, [1, 6, 8]);
+        assert_eq!(proc.num_tokens(100, 80).unwrap(), Some(12));
+    }
+}
