@@ -6,8 +6,10 @@
 //! decode), samples ([`sampler`]), detokenizes and pushes events into the [`outbox`],
 //! from which each api process long-polls its own.
 
+pub mod admission;
 mod batch;
 mod inputs;
+pub mod kv;
 mod outbox;
 mod sampler;
 mod service;

@@ -1,0 +1,1 @@
+//! Admission by token budget (being written).

@@ -1,0 +1,1 @@
+//! The paged KV cache: blocks, block tables, the prefix cache (being written).
