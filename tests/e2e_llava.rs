@@ -255,3 +255,103 @@ async fn cache_limits_reach_the_client_as_400_and_503_with_a_shared_cache() {
     drop(holder);
     cache.stop_in_place();
 }
+
+#[tokio::test]
+async fn stop_strings_logprobs_n_and_seeds() {
+    let server = Server::start(&[]);
+    let url = data_url(&fixture_png());
+    let base = image_request(&url, false); // greedy "amebject Librarybject Library…"
+    let with = |f: &dyn Fn(&mut Value)| {
+        let mut r = base.clone();
+        f(&mut r);
+        r
+    };
+
+    // A stop string inside one token, and one that spans two tokens ("bject" + " Library").
+    for (stop, want) in [(json!("Library"), "amebject "), (json!(["zzz", "bject Lib"]), "ame")] {
+        let (status, body) = server.chat(&with(&|r| r["stop"] = stop.clone())).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["message"]["content"], want, "stop {stop}");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    }
+    // The same through a stream: nothing of the stop string is ever sent.
+    let frames = sse(
+        &server,
+        &with(&|r| {
+            r["stream"] = json!(true);
+            r["stop"] = json!("bject Lib");
+        }),
+    )
+    .await;
+    let text: String = frames[..frames.len() - 1]
+        .iter()
+        .map(|f| serde_json::from_str::<Value>(f).unwrap())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, "ame");
+
+    // Log-probabilities: greedy picks the top one.
+    let (status, body) = server
+        .chat(&with(&|r| {
+            r["logprobs"] = json!(true);
+            r["top_logprobs"] = json!(3);
+        }))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let content = body["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 8);
+    for entry in content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["logprob"], entry["logprob"], "greedy samples the most likely token");
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+    }
+
+    // n choices with a seed: reproducible, and different from each other.
+    let sampled = with(&|r| {
+        r["n"] = json!(3);
+        r["temperature"] = json!(1.0);
+        r["seed"] = json!(42);
+        r["max_tokens"] = json!(12);
+    });
+    let (s1, b1) = server.chat(&sampled).await;
+    let (s2, b2) = server.chat(&sampled).await;
+    assert_eq!((s1, s2), (200, 200), "{b1}");
+    let choices = |b: &Value| -> Vec<Vec<u64>> {
+        b["choices"].as_array().unwrap().iter().map(|c| ids(&c["token_ids"])).collect()
+    };
+    assert_eq!(choices(&b1).len(), 3);
+    assert_eq!(choices(&b1), choices(&b2), "same seed, same choices");
+    assert_ne!(choices(&b1)[0], choices(&b1)[1], "choices sample differently");
+    assert_eq!(b1["usage"]["completion_tokens"], 36);
+
+    // Streamed with n = 2: both choices finish, then [DONE].
+    let frames = sse(
+        &server,
+        &with(&|r| {
+            r["stream"] = json!(true);
+            r["n"] = json!(2);
+        }),
+    )
+    .await;
+    let finishes = frames[..frames.len() - 1]
+        .iter()
+        .map(|f| serde_json::from_str::<Value>(f).unwrap())
+        .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+        .map(|c| c["choices"][0]["index"].as_u64().unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(finishes.len(), 2, "{frames:?}");
+
+    for (field, value) in [("top_logprobs", json!(21)), ("n", json!(0)), ("stop", json!([1])), ("min_p", json!(2))] {
+        let (status, body) = server
+            .chat(&with(&|r| {
+                r[field] = value.clone();
+                r["logprobs"] = json!(true);
+            }))
+            .await;
+        assert_eq!(status, 400, "{field}: {body}");
+        assert_eq!(body["error"]["param"], field);
+    }
+    assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
+    server.stop();
+}

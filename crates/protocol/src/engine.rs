@@ -13,12 +13,28 @@ pub struct ItemSpan {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SamplingParams {
     pub max_tokens: u32,
+    /// Stop tokens (EOS, `stop_token_ids`) are not allowed before this many tokens.
+    pub min_tokens: u32,
     /// 0 means greedy.
     pub temperature: f32,
     pub top_p: f32,
+    /// 0 means off.
+    pub top_k: u32,
+    /// Keep tokens whose probability is at least `min_p` × the largest; 0 means off.
+    pub min_p: f32,
+    /// HF's multiplicative penalty over prompt and output tokens; 1 means off.
+    pub repetition_penalty: f32,
+    /// OpenAI's additive penalties over output tokens.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
     pub seed: Option<u64>,
     pub ignore_eos: bool,
     pub stop_token_ids: Vec<u32>,
+    /// Stop strings, matched on the detokenized text (also across token boundaries);
+    /// the returned text excludes them.
+    pub stop: Vec<String>,
+    /// `Some(k)`: report the sampled token's log-probability and the `k` most likely.
+    pub logprobs: Option<u8>,
     pub skip_special_tokens: bool,
 }
 
@@ -26,11 +42,19 @@ impl Default for SamplingParams {
     fn default() -> Self {
         SamplingParams {
             max_tokens: 16,
+            min_tokens: 0,
             temperature: 1.0,
             top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: None,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            logprobs: None,
             skip_special_tokens: true,
         }
     }
@@ -64,11 +88,20 @@ pub enum FinishReason {
     Retry(String),
 }
 
+/// Log-probabilities (under the model, before sampling settings) of one step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The most likely tokens, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// One step's news for one request: a token and its text, and/or the end.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct OutputEvent {
     pub request_id: u64,
     pub token_id: Option<u32>,
+    pub logprobs: Option<TokenLogprobs>,
     /// Newly complete text (never half a UTF-8 character); may be empty.
     pub text: String,
     pub finish: Option<FinishReason>,

@@ -17,7 +17,8 @@ pub use cache::{
 };
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};
 pub use engine::{
-    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, OutputEvent, SamplingParams,
+    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, OutputEvent,
+    SamplingParams, TokenLogprobs,
 };
 
 /// Virtual token ids of media items start here, far above any vocabulary, and are

@@ -52,6 +52,7 @@ impl Dispatcher {
             let _ = tx.send(OutputEvent {
                 request_id: id,
                 token_id: None,
+                logprobs: None,
                 text: String::new(),
                 finish: Some(FinishReason::Retry(reason.to_string())),
             });

@@ -22,41 +22,42 @@ use crate::state::AppState;
 /// is still running and releases every reference exactly once.
 pub struct RequestGuard {
     state: Arc<AppState>,
-    request_id: u64,
+    /// Engine requests (one per choice) submitted and not yet finished.
+    running: Vec<u64>,
     cache_ids: Vec<u64>,
-    submitted: bool,
-    finished: bool,
 }
 
 impl RequestGuard {
-    pub fn mark_finished(&mut self) {
-        self.finished = true;
+    /// The engine finished this choice by itself: no abort needed.
+    pub fn mark_finished(&mut self, request_id: u64) {
+        self.running.retain(|&r| r != request_id);
     }
 }
 
 impl Drop for RequestGuard {
     fn drop(&mut self) {
-        self.state.dispatcher.unregister(self.request_id);
-        let abort = self.submitted && !self.finished;
+        let abort = std::mem::take(&mut self.running);
         let ids = std::mem::take(&mut self.cache_ids);
-        if !abort && ids.is_empty() {
+        if abort.is_empty() && ids.is_empty() {
             return;
         }
         let state = self.state.clone();
-        let request_id = self.request_id;
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(async move {
             let t = state.timeouts.rpc;
-            if abort && let Err(e) = state.engine.abort(deadline(t), request_id).await {
-                tracing::warn!("aborting request {request_id}: {e}");
+            for request_id in abort {
+                state.dispatcher.unregister(request_id);
+                if let Err(e) = state.engine.abort(deadline(t), request_id).await {
+                    tracing::warn!("aborting request {request_id}: {e}");
+                }
             }
             if !ids.is_empty() {
                 // If the cache restarted (or our connection broke), it dropped these
                 // references itself when the connection closed.
                 match state.cache.call(|c| async move { c.release(deadline(t), ids).await }).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!("releasing cache items of {request_id}: {e}"),
-                    Err(e) => tracing::warn!("releasing cache items of {request_id}: {e}"),
+                    Ok(Err(e)) => tracing::warn!("releasing cache items: {e}"),
+                    Err(e) => tracing::warn!("releasing cache items: {e}"),
                 }
             }
         });
@@ -66,7 +67,8 @@ impl Drop for RequestGuard {
 /// A request accepted by the engine.
 pub struct Started {
     pub guard: RequestGuard,
-    pub events: mpsc::UnboundedReceiver<OutputEvent>,
+    /// One event stream per choice (`n`), in choice order: (engine request id, events).
+    pub choices: Vec<(u64, mpsc::UnboundedReceiver<OutputEvent>)>,
     pub prompt_ids: Vec<u64>,
     pub image_tokens: u64,
 }
@@ -75,16 +77,35 @@ fn rpc<T>(service: &'static str, r: Result<T, tarpc::client::RpcError>) -> Resul
     r.map_err(|e| RpcFailure::new(service, e).into())
 }
 
-fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<SamplingParams, ApiError> {
-    if req.n.unwrap_or(1) != 1 {
-        return Err(ApiError::bad_param("n", "only n = 1 is supported"));
+/// Most choices per request and stop strings per request.
+const MAX_N: u32 = 16;
+const MAX_STOPS: usize = 16;
+
+fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<(SamplingParams, usize), ApiError> {
+    let n = req.n.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::bad_param("n", format!("n must be between 1 and {MAX_N}")));
     }
-    if req.stop.as_ref().is_some_and(|s| !s.is_null() && s != &serde_json::json!([])) {
-        return Err(ApiError::bad_param("stop", "stop strings are not supported yet; use stop_token_ids"));
+    let stop: Vec<String> = match &req.stop {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::String(s)) => vec![s.clone()],
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::bad_param("stop", "stop must be strings")))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::bad_param("stop", "stop must be a string or a list of strings")),
+    };
+    if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+        return Err(ApiError::bad_param("stop", format!("at most {MAX_STOPS} non-empty stop strings of ≤ 256 bytes")));
     }
-    if req.logprobs == Some(true) {
-        return Err(ApiError::bad_param("logprobs", "logprobs are not supported yet"));
-    }
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::bad_param("top_logprobs", "top_logprobs needs logprobs: true"));
+        }
+        (_, Some(k)) if k > 20 => return Err(ApiError::bad_param("top_logprobs", "top_logprobs must be at most 20")),
+        (true, k) => Some(k.unwrap_or(0)),
+        (false, _) => None,
+    };
     let temperature = req.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad_param("temperature", "temperature must be between 0 and 2"));
@@ -92,6 +113,26 @@ fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<Sa
     let top_p = req.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::bad_param("top_p", "top_p must be in (0, 1]"));
+    }
+    let top_k = match req.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+        _ => return Err(ApiError::bad_param("top_k", "top_k must be -1, 0 (off) or positive")),
+    };
+    let min_p = req.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad_param("min_p", "min_p must be between 0 and 1"));
+    }
+    let repetition_penalty = req.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        return Err(ApiError::bad_param("repetition_penalty", "repetition_penalty must be positive"));
+    }
+    let (presence_penalty, frequency_penalty) =
+        (req.presence_penalty.unwrap_or(0.0), req.frequency_penalty.unwrap_or(0.0));
+    for (name, v) in [("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::bad_param(name, format!("{name} must be between -2 and 2")));
+        }
     }
     let room = max_model_len.saturating_sub(prompt_len);
     let max_tokens = match req.max_completion_tokens.or(req.max_tokens) {
@@ -107,15 +148,28 @@ fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<Sa
             ),
         ));
     }
-    Ok(SamplingParams {
+    let min_tokens = req.min_tokens.unwrap_or(0);
+    if u64::from(min_tokens) > max_tokens {
+        return Err(ApiError::bad_param("min_tokens", "min_tokens must not exceed max_tokens"));
+    }
+    let params = SamplingParams {
         max_tokens: max_tokens as u32,
+        min_tokens,
         temperature,
         top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
         seed: req.seed,
         ignore_eos: req.ignore_eos,
         stop_token_ids: req.stop_token_ids.clone(),
+        stop,
+        logprobs,
         skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
-    })
+    };
+    Ok((params, n as usize))
 }
 
 pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, ApiError> {
@@ -143,11 +197,10 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     .await?;
     let image_tokens: u64 = items.iter().map(|i| u64::from(i.token_num)).sum();
     let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens;
-    let params = sampling(req, prompt_len, state.max_model_len)?;
+    let (params, n) = sampling(req, prompt_len, state.max_model_len)?;
 
     let request_id = state.new_request_id();
-    let mut guard =
-        RequestGuard { state: state.clone(), request_id, cache_ids: Vec::new(), submitted: false, finished: false };
+    let mut guard = RequestGuard { state: state.clone(), running: Vec::new(), cache_ids: Vec::new() };
     let (cache_instance, records) = reserve(state, &items, &mut guard).await?;
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
@@ -159,20 +212,29 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
         }
     }
 
-    let events = state.dispatcher.register(request_id);
-    let request = GenerateRequest {
-        id: request_id,
-        client: state.client_id,
-        prompt_ids: prompt_ids.clone(),
-        items: spans,
-        cache_instance,
-        params,
-    };
-    // Marked before the call: if this handler is dropped after the engine accepted the
-    // request, the guard still aborts it (aborting an unknown id is harmless).
-    guard.submitted = true;
-    rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
-    Ok(Started { guard, events, prompt_ids, image_tokens })
+    // `n` choices are sibling engine requests over the same prompt; with a seed, choice
+    // i samples with seed + i (so the choices differ and each is reproducible).
+    let mut choices = Vec::with_capacity(n);
+    for i in 0..n as u64 {
+        let id = if i == 0 { request_id } else { state.new_request_id() };
+        let mut params = params.clone();
+        params.seed = params.seed.map(|s| s.wrapping_add(i));
+        let events = state.dispatcher.register(id);
+        let request = GenerateRequest {
+            id,
+            client: state.client_id,
+            prompt_ids: prompt_ids.clone(),
+            items: spans.clone(),
+            cache_instance,
+            params,
+        };
+        // Marked before the call: if this handler is dropped after the engine accepted the
+        // request, the guard still aborts it (aborting an unknown id is harmless).
+        guard.running.push(id);
+        choices.push((id, events));
+        rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
+    }
+    Ok(Started { guard, choices, prompt_ids, image_tokens })
 }
 
 /// Reserves every item at once, writes the bytes of items this request created, and

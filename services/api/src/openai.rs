@@ -29,7 +29,21 @@ pub struct ChatRequest {
     pub stop: Option<Value>,
     #[serde(default)]
     pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u8>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
     // Extensions (vLLM's names).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub min_tokens: Option<u32>,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -122,9 +136,30 @@ pub struct Choice {
     pub index: u32,
     pub message: AssistantMessage,
     pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<Logprobs>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+}
+
+/// OpenAI's `logprobs` object of a choice (or of a chunk's choice).
+#[derive(Debug, Default, Serialize)]
+pub struct Logprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
 }
 
 #[derive(Debug, Serialize)]
@@ -149,7 +184,7 @@ pub struct ChunkChoice {
     pub index: u32,
     pub delta: Delta,
     pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<Logprobs>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
 }

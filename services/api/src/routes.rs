@@ -13,7 +13,9 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
+use futures::StreamExt;
 use mmserve_protocol::{FinishReason, OutputEvent, deadline};
+use tokio::sync::mpsc;
 
 use crate::error::ApiError;
 use crate::generate::{Started, start};
@@ -73,9 +75,12 @@ async fn chat_inner(state: &Arc<AppState>, body: Result<Bytes, BytesRejection>) 
     }
 }
 
-/// Waits for the next event of a request, at most the token timeout.
-async fn next_event(state: &AppState, started: &mut Started) -> Result<OutputEvent, ApiError> {
-    match tokio::time::timeout(state.timeouts.token, started.events.recv()).await {
+/// Waits for the next event of one choice, at most the token timeout.
+async fn next_event(
+    state: &AppState,
+    events: &mut mpsc::UnboundedReceiver<OutputEvent>,
+) -> Result<OutputEvent, ApiError> {
+    match tokio::time::timeout(state.timeouts.token, events.recv()).await {
         Ok(Some(ev)) => Ok(ev),
         Ok(None) => Err(ApiError::Internal("the request's event stream closed".into())),
         Err(_) => {
@@ -94,43 +99,78 @@ fn usage(started: &Started, completion: u64) -> Usage {
     }
 }
 
+/// A finish the client sees as an error, or `None` for a normal end.
+fn finish_error(finish: &FinishReason) -> Option<ApiError> {
+    match finish {
+        FinishReason::Error(message) => Some(ApiError::Internal(format!("generation failed: {message}"))),
+        FinishReason::Retry(message) => Some(ApiError::Unavailable(message.clone())),
+        _ => None,
+    }
+}
+
+/// OpenAI's logprob entry of one token.
+fn token_logprob(state: &AppState, token: u32, lp: &mmserve_protocol::TokenLogprobs) -> TokenLogprob {
+    let text = |t: u32| state.tokenizer.decode(&[t], false);
+    let piece = text(token);
+    TokenLogprob {
+        bytes: piece.as_bytes().to_vec(),
+        token: piece,
+        logprob: lp.logprob,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(t, logprob)| {
+                let token = text(t);
+                TopLogprob { bytes: token.as_bytes().to_vec(), token, logprob }
+            })
+            .collect(),
+    }
+}
+
 async fn collect(
     state: &AppState,
     mut started: Started,
     id: String,
     return_ids: bool,
 ) -> Result<ChatCompletion, ApiError> {
-    let mut text = String::new();
-    let mut tokens = Vec::new();
-    let finish = loop {
-        let ev = next_event(state, &mut started).await?;
-        tokens.extend(ev.token_id);
-        text.push_str(&ev.text);
-        if let Some(f) = ev.finish {
-            break f;
+    let mut choices = Vec::with_capacity(started.choices.len());
+    let mut completion = 0u64;
+    let mut streams = std::mem::take(&mut started.choices);
+    for (index, (request_id, events)) in streams.iter_mut().enumerate() {
+        let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), None::<Logprobs>);
+        let finish = loop {
+            let ev = next_event(state, events).await?;
+            if let (Some(t), Some(lp)) = (ev.token_id, &ev.logprobs) {
+                logprobs.get_or_insert_with(Logprobs::default).content.push(token_logprob(state, t, lp));
+            }
+            tokens.extend(ev.token_id);
+            text.push_str(&ev.text);
+            if let Some(f) = ev.finish {
+                break f;
+            }
+        };
+        // On an error the guard aborts on drop: harmless if the engine already dropped
+        // the request, needed if the failure came from this side (the event poll failed).
+        if let Some(e) = finish_error(&finish) {
+            return Err(e);
         }
-    };
-    Metrics::add(&state.metrics.generation_tokens, tokens.len() as u64);
-    match &finish {
-        // The guard aborts on drop: harmless if the engine already dropped the request,
-        // and needed if the failure came from this side (the event poll failed).
-        FinishReason::Error(message) => return Err(ApiError::Internal(format!("generation failed: {message}"))),
-        FinishReason::Retry(message) => return Err(ApiError::Unavailable(message.clone())),
-        _ => started.guard.mark_finished(),
+        started.guard.mark_finished(*request_id);
+        completion += tokens.len() as u64;
+        choices.push(Choice {
+            index: index as u32,
+            message: AssistantMessage { role: "assistant", content: text },
+            finish_reason: Some(finish_name(&finish)),
+            logprobs,
+            token_ids: return_ids.then_some(tokens),
+        });
     }
-    let completion = tokens.len() as u64;
+    Metrics::add(&state.metrics.generation_tokens, completion);
     Ok(ChatCompletion {
         id,
         object: "chat.completion",
         created: now(),
         model: state.model_name.clone(),
-        choices: vec![Choice {
-            index: 0,
-            message: AssistantMessage { role: "assistant", content: text },
-            finish_reason: Some(finish_name(&finish)),
-            logprobs: None,
-            token_ids: return_ids.then_some(tokens),
-        }],
+        choices,
         usage: usage(&started, completion),
         prompt_token_ids: return_ids.then(|| started.prompt_ids.clone()),
     })
@@ -140,6 +180,10 @@ async fn collect(
 struct StreamState {
     state: Arc<AppState>,
     started: Started,
+    /// Every choice's events, merged: (choice index, event).
+    events: futures::stream::SelectAll<futures::stream::BoxStream<'static, (usize, OutputEvent)>>,
+    /// Choices not finished yet.
+    open: usize,
     id: String,
     created: u64,
     completion: u64,
@@ -151,29 +195,54 @@ struct StreamState {
 }
 
 impl StreamState {
-    fn chunk(&self, delta: Delta, finish: Option<&'static str>, token_ids: Option<Vec<u32>>) -> Event {
+    fn chunk(&self, index: usize, delta: Delta, finish: Option<&'static str>, extra: ChunkExtra) -> Event {
         let c = ChatChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
             created: self.created,
             model: self.state.model_name.clone(),
-            choices: vec![ChunkChoice { index: 0, delta, finish_reason: finish, logprobs: None, token_ids }],
+            choices: vec![ChunkChoice {
+                index: index as u32,
+                delta,
+                finish_reason: finish,
+                logprobs: extra.logprobs,
+                token_ids: extra.token_ids,
+            }],
             usage: None,
         };
         Event::default().data(serde_json::to_string(&c).unwrap_or_default())
     }
 }
 
+#[derive(Default)]
+struct ChunkExtra {
+    logprobs: Option<Logprobs>,
+    token_ids: Option<Vec<u32>>,
+}
+
 fn stream(
     state: Arc<AppState>,
-    started: Started,
+    mut started: Started,
     id: String,
     include_usage: bool,
     return_ids: bool,
 ) -> impl IntoResponse {
+    let receivers = std::mem::take(&mut started.choices);
+    let mut events = futures::stream::SelectAll::new();
+    let mut ids = Vec::with_capacity(receivers.len());
+    for (index, (request_id, rx)) in receivers.into_iter().enumerate() {
+        ids.push(request_id);
+        let s = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|ev| (ev, rx)) });
+        events.push(s.map(move |ev| (index, ev)).boxed());
+    }
+    let open = ids.len();
+    // Keep the choice ids for mark_finished.
+    started.choices = ids.into_iter().map(|id| (id, mpsc::unbounded_channel().1)).collect();
     let mut s = StreamState {
         state,
         started,
+        events,
+        open,
         id,
         created: now(),
         completion: 0,
@@ -182,8 +251,15 @@ fn stream(
         pending: Default::default(),
         done: false,
     };
-    let first = s.chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None, None);
-    s.pending.push_back(first);
+    for index in 0..open {
+        let first = s.chunk(
+            index,
+            Delta { role: Some("assistant"), content: Some(String::new()) },
+            None,
+            ChunkExtra::default(),
+        );
+        s.pending.push_back(first);
+    }
     // The guard lives inside the stream: if the client disconnects, the stream is
     // dropped and the request is aborted and its cache references released.
     let body = futures::stream::unfold(s, |mut s| async move {
@@ -194,9 +270,19 @@ fn stream(
             if s.done {
                 return None;
             }
-            match next_event(&s.state, &mut s.started).await {
-                Ok(ev) => s.on_event(ev),
-                Err(e) => {
+            let next = tokio::time::timeout(s.state.timeouts.token, s.events.next()).await;
+            match next {
+                Ok(Some((index, ev))) => s.on_event(index, ev),
+                Ok(None) => {
+                    let e = ApiError::Internal("the request's event stream closed".into());
+                    s.pending.push_back(Event::default().data(e.body().to_string()));
+                    s.done = true;
+                }
+                Err(_) => {
+                    let e = ApiError::Unavailable(format!(
+                        "no token from the engine within {} s",
+                        s.state.timeouts.token.as_secs()
+                    ));
                     s.pending.push_back(Event::default().data(e.body().to_string()));
                     s.done = true;
                 }
@@ -207,49 +293,54 @@ fn stream(
 }
 
 impl StreamState {
-    fn on_event(&mut self, ev: OutputEvent) {
+    fn on_event(&mut self, index: usize, ev: OutputEvent) {
         if ev.token_id.is_some() {
             self.completion += 1;
             Metrics::add(&self.state.metrics.generation_tokens, 1);
         }
-        let token_ids = self.return_ids.then(|| ev.token_id.into_iter().collect());
-        match ev.finish {
-            Some(FinishReason::Error(message)) => {
-                let err = ApiError::Internal(format!("generation failed: {message}"));
-                self.pending.push_back(Event::default().data(err.body().to_string()));
-                self.done = true;
+        let extra = ChunkExtra {
+            logprobs: match (ev.token_id, &ev.logprobs) {
+                (Some(t), Some(lp)) => Some(Logprobs { content: vec![token_logprob(&self.state, t, lp)] }),
+                _ => None,
+            },
+            token_ids: self.return_ids.then(|| ev.token_id.into_iter().collect()),
+        };
+        let Some(reason) = ev.finish else {
+            if !ev.text.is_empty() || extra.logprobs.is_some() || self.return_ids {
+                let frame = self.chunk(index, Delta { role: None, content: Some(ev.text) }, None, extra);
+                self.pending.push_back(frame);
             }
-            Some(FinishReason::Retry(message)) => {
-                let err = ApiError::Unavailable(message);
-                self.pending.push_back(Event::default().data(err.body().to_string()));
-                self.done = true;
-            }
-            Some(reason) => {
-                self.started.guard.mark_finished();
-                let content = (!ev.text.is_empty()).then_some(ev.text);
-                let last = self.chunk(Delta { role: None, content }, Some(finish_name(&reason)), token_ids);
-                self.pending.push_back(last);
-                if self.include_usage {
-                    let c = ChatChunk {
-                        id: self.id.clone(),
-                        object: "chat.completion.chunk",
-                        created: self.created,
-                        model: self.state.model_name.clone(),
-                        choices: Vec::new(),
-                        usage: Some(usage(&self.started, self.completion)),
-                    };
-                    self.pending.push_back(Event::default().data(serde_json::to_string(&c).unwrap_or_default()));
-                }
-                self.pending.push_back(Event::default().data("[DONE]"));
-                self.done = true;
-            }
-            None => {
-                if !ev.text.is_empty() || self.return_ids {
-                    let frame = self.chunk(Delta { role: None, content: Some(ev.text) }, None, token_ids);
-                    self.pending.push_back(frame);
-                }
-            }
+            return;
+        };
+        if let Some(err) = finish_error(&reason) {
+            // The guard aborts every choice when the stream ends.
+            self.pending.push_back(Event::default().data(err.body().to_string()));
+            self.done = true;
+            return;
         }
+        if let Some(&(request_id, _)) = self.started.choices.get(index) {
+            self.started.guard.mark_finished(request_id);
+        }
+        let content = (!ev.text.is_empty()).then_some(ev.text);
+        let last = self.chunk(index, Delta { role: None, content }, Some(finish_name(&reason)), extra);
+        self.pending.push_back(last);
+        self.open -= 1;
+        if self.open > 0 {
+            return;
+        }
+        if self.include_usage {
+            let c = ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.created,
+                model: self.state.model_name.clone(),
+                choices: Vec::new(),
+                usage: Some(usage(&self.started, self.completion)),
+            };
+            self.pending.push_back(Event::default().data(serde_json::to_string(&c).unwrap_or_default()));
+        }
+        self.pending.push_back(Event::default().data("[DONE]"));
+        self.done = true;
     }
 }
 

@@ -17,7 +17,8 @@ use mmserve_embed_cache::ArenaView;
 
 use crate::inputs::embed_prompt;
 use crate::outbox::Outbox;
-use crate::sampler::{Rng, sample};
+use crate::sampler::{History, Rng, adjust, logprobs, sample};
+use crate::stops::StopMatcher;
 
 pub enum Command {
     Submit(Box<GenerateRequest>),
@@ -32,6 +33,8 @@ struct Sequence {
     /// Tokens generated so far.
     output: Vec<u32>,
     decoder: IncrementalDecoder,
+    stops: StopMatcher,
+    history: History,
     rng: Rng,
 }
 
@@ -67,8 +70,12 @@ impl Batcher {
             while running.len() < self.max_running {
                 let Some(req) = waiting.pop_front() else { break };
                 let seed = req.params.seed.unwrap_or_else(|| fresh_seed(req.id));
+                let vocab = self.model.config().vocab_size as u64;
+                let prompt = req.prompt_ids.iter().filter(|&&t| t < vocab).map(|&t| t as u32).collect();
                 running.push(Sequence {
                     decoder: IncrementalDecoder::new(req.params.skip_special_tokens),
+                    stops: StopMatcher::new(&req.params.stop),
+                    history: History { prompt, ..Default::default() },
                     cache: self.model.new_cache(),
                     output: Vec::new(),
                     rng: Rng::new(seed),
@@ -132,26 +139,45 @@ impl Batcher {
             }
         };
         let mut finished = Vec::new();
-        for (i, (seq, row)) in running.iter_mut().zip(logits).enumerate() {
-            let token = sample(&row, &seq.req.params, &mut seq.rng);
-            seq.output.push(token);
+        for (i, (seq, mut row)) in running.iter_mut().zip(logits).enumerate() {
             let p = &seq.req.params;
-            let is_stop =
-                (!p.ignore_eos && self.tokenizer.eos_ids().contains(&token)) || p.stop_token_ids.contains(&token);
-            let finish = if is_stop {
+            let mut stop_ids: Vec<u32> = p.stop_token_ids.clone();
+            if !p.ignore_eos {
+                stop_ids.extend_from_slice(self.tokenizer.eos_ids());
+            }
+            let raw = p.logprobs.map(|_| row.clone());
+            adjust(&mut row, p, &seq.history, &stop_ids);
+            let token = sample(&row, p, &mut seq.rng);
+            let lps = raw.map(|raw| logprobs(&raw, token, usize::from(p.logprobs.unwrap_or(0).min(20))));
+            seq.output.push(token);
+            seq.history.push(token);
+            let mut finish = if stop_ids.contains(&token) {
                 Some(FinishReason::Stop)
             } else if seq.output.len() >= p.max_tokens as usize {
                 Some(FinishReason::Length)
             } else {
                 None
             };
-            let mut text = seq.decoder.push(&self.tokenizer, token);
+            let decoded = seq.decoder.push(&self.tokenizer, token);
+            let matched = seq.stops.push(&decoded);
+            let mut text = matched.text;
+            if matched.stopped {
+                finish = Some(FinishReason::Stop);
+            } else if finish.is_some() {
+                let tail = seq.decoder.finish(&self.tokenizer);
+                let tail = seq.stops.push(&tail);
+                text.push_str(&tail.text);
+                if tail.stopped {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    text.push_str(&seq.stops.finish());
+                }
+            }
             if finish.is_some() {
-                text.push_str(&seq.decoder.finish(&self.tokenizer));
                 finished.push(i);
             }
-            self.outbox
-                .push(seq.req.client, [OutputEvent { request_id: seq.req.id, token_id: Some(token), text, finish }]);
+            let event = OutputEvent { request_id: seq.req.id, token_id: Some(token), logprobs: lps, text, finish };
+            self.outbox.push(seq.req.client, [event]);
         }
         for i in finished.into_iter().rev() {
             running.swap_remove(i);
@@ -180,7 +206,7 @@ impl Batcher {
 }
 
 fn finish_event(request_id: u64, reason: FinishReason) -> OutputEvent {
-    OutputEvent { request_id, token_id: None, text: String::new(), finish: Some(reason) }
+    OutputEvent { request_id, token_id: None, logprobs: None, text: String::new(), finish: Some(reason) }
 }
 
 /// A seed for requests that give none: differs per request and per run.

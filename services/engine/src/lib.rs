@@ -13,6 +13,7 @@ pub mod kv;
 mod outbox;
 mod sampler;
 mod service;
+mod stops;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,7 +1,11 @@
-//! Choosing the next token: greedy, or temperature with top-p, from a per-request
-//! seeded generator (the same seed and input give the same output whatever else runs).
+//! Choosing the next token: penalties (repetition, presence, frequency), `min_tokens`,
+//! then greedy, or temperature with top-k, top-p and min-p, from a per-request seeded
+//! generator (the same seed and input give the same output whatever else runs).
+//! Log-probabilities are those of the model's distribution, before any of the settings.
 
-use mmserve_protocol::SamplingParams;
+use std::collections::HashMap;
+
+use mmserve_protocol::{SamplingParams, TokenLogprobs};
 
 /// splitmix64: small, fast, and reproducible across platforms.
 #[derive(Debug, Clone)]
@@ -29,18 +33,95 @@ impl Rng {
 /// Temperatures below this are greedy.
 const GREEDY_BELOW: f32 = 1e-5;
 
+/// What a sequence has seen, for the penalties.
+#[derive(Debug, Default, Clone)]
+pub struct History {
+    /// Text tokens of the prompt (for the repetition penalty).
+    pub prompt: Vec<u32>,
+    /// Generated tokens and how often each occurred.
+    pub counts: HashMap<u32, u32>,
+    pub generated: u32,
+}
+
+impl History {
+    pub fn push(&mut self, token: u32) {
+        *self.counts.entry(token).or_default() += 1;
+        self.generated += 1;
+    }
+}
+
+/// Applies penalties and `min_tokens` to `logits` in place.
+pub fn adjust(logits: &mut [f32], params: &SamplingParams, history: &History, stop_ids: &[u32]) {
+    let p = params.repetition_penalty;
+    if p != 1.0 && p > 0.0 {
+        let seen = history.prompt.iter().chain(history.counts.keys());
+        let mut done = std::collections::HashSet::new();
+        for &t in seen {
+            if let Some(l) = logits.get_mut(t as usize).filter(|_| done.insert(t)) {
+                *l = if *l > 0.0 { *l / p } else { *l * p };
+            }
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        for (&t, &n) in &history.counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * n as f32;
+            }
+        }
+    }
+    if history.generated < params.min_tokens {
+        for &t in stop_ids {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The model's log-probabilities: the sampled token's and the `k` best.
+pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = f64::from(max) + logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
+    let lp = |l: f32| (f64::from(l) - lse) as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k);
+    if k > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = k.min(idx.len());
+        idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        top = idx.into_iter().map(|i| (i, lp(logits[i as usize]))).collect();
+    }
+    TokenLogprobs { logprob: lp(logits.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY)), top }
+}
+
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     if params.temperature < GREEDY_BELOW {
         return argmax(logits);
     }
     let inv_t = 1.0 / f64::from(params.temperature);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(u32, f64)> =
-        logits.iter().enumerate().map(|(i, &l)| (i as u32, ((f64::from(l) - f64::from(max)) * inv_t).exp())).collect();
+    let mut probs: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, ((f64::from(l) - f64::from(max)) * inv_t).exp()))
+        .filter(|p| p.1 > 0.0)
+        .collect();
+    if probs.is_empty() {
+        return argmax(logits);
+    }
+    // Best first (ties by id), so every filter below keeps a prefix.
+    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if params.top_k > 0 {
+        probs.truncate(params.top_k as usize);
+    }
+    if params.min_p > 0.0 {
+        let floor = probs[0].1 * f64::from(params.min_p);
+        probs.retain(|p| p.1 >= floor);
+    }
     let total: f64 = probs.iter().map(|p| p.1).sum();
     probs.iter_mut().for_each(|p| p.1 /= total);
     if params.top_p < 1.0 {
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut mass = 0.0;
         let keep = probs
             .iter()
@@ -78,20 +159,68 @@ pub fn argmax(logits: &[f32]) -> u32 {
 mod tests {
     use super::*;
 
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams { temperature: 1.0, ..Default::default() };
+        f(&mut p);
+        p
+    }
+
+    fn draws(logits: &[f32], p: &SamplingParams, seed: u64, n: usize) -> Vec<u32> {
+        let mut rng = Rng::new(seed);
+        (0..n).map(|_| sample(logits, p, &mut rng)).collect()
+    }
+
     #[test]
     fn greedy_and_seeded_sampling() {
         let logits = [0.1, 2.0, -1.0, 2.0];
-        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-        assert_eq!(sample(&logits, &greedy, &mut Rng::new(1)), 1);
-        let hot = SamplingParams { temperature: 1.0, ..Default::default() };
-        let draw = |seed| {
-            (0..32).map(|_| 0).scan(Rng::new(seed), |r, _: i32| Some(sample(&logits, &hot, r))).collect::<Vec<_>>()
-        };
-        assert_eq!(draw(7), draw(7));
-        assert_ne!(draw(7), draw(8));
+        assert_eq!(sample(&logits, &params(|p| p.temperature = 0.0), &mut Rng::new(1)), 1);
+        let hot = params(|_| {});
+        assert_eq!(draws(&logits, &hot, 7, 32), draws(&logits, &hot, 7, 32));
+        assert_ne!(draws(&logits, &hot, 7, 32), draws(&logits, &hot, 8, 32));
         // top_p small enough keeps only the two tied best tokens.
-        let nucleus = SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() };
-        let mut rng = Rng::new(3);
-        assert!((0..200).all(|_| matches!(sample(&logits, &nucleus, &mut rng), 1 | 3)));
+        assert!(draws(&logits, &params(|p| p.top_p = 0.5), 3, 200).iter().all(|t| matches!(t, 1 | 3)));
+    }
+
+    #[test]
+    fn top_k_and_min_p_filter() {
+        let logits = [3.0, 2.9, 0.0, -5.0];
+        assert!(draws(&logits, &params(|p| p.top_k = 2), 1, 300).iter().all(|&t| t < 2));
+        let d = draws(&logits, &params(|p| p.min_p = 0.5), 1, 300);
+        assert!(d.iter().all(|&t| t < 2) && d.contains(&0) && d.contains(&1));
+        assert_eq!(draws(&logits, &params(|p| p.top_k = 1), 1, 10), vec![0; 10]);
+    }
+
+    #[test]
+    fn penalties_and_min_tokens() {
+        let mut h = History { prompt: vec![0], ..Default::default() };
+        h.push(1);
+        h.push(1);
+        let mut l = vec![2.0, 2.0, -1.0, 0.5];
+        adjust(&mut l, &params(|p| p.repetition_penalty = 2.0), &h, &[]);
+        assert_eq!(l, vec![1.0, 1.0, -1.0, 0.5], "prompt and output tokens, positive divided");
+        let mut l = vec![0.0, 0.0, -1.0, 0.5];
+        adjust(
+            &mut l,
+            &params(|p| {
+                p.presence_penalty = 0.5;
+                p.frequency_penalty = 0.25
+            }),
+            &h,
+            &[],
+        );
+        assert_eq!(l, vec![0.0, -1.0, -1.0, 0.5], "only output tokens, by count");
+        let mut l = vec![0.0, 0.0, 9.0, 0.5];
+        adjust(&mut l, &params(|p| p.min_tokens = 3), &h, &[2]);
+        assert_eq!(argmax(&l), 3, "the stop token is banned until min_tokens");
+    }
+
+    #[test]
+    fn logprobs_are_the_models() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let lp = logprobs(&logits, 0, 2);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert!(lp.top[0].1 > lp.top[1].1);
     }
 }
