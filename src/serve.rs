@@ -38,6 +38,8 @@ pub struct ServeArgs {
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
+    #[command(flatten)]
+    pub kv: mmserve_engine::KvArgs,
     /// Longest wait for one process to become ready, in seconds.
     #[arg(long, env = "MMSERVE_READY_TIMEOUT_S", default_value_t = 300)]
     pub ready_timeout_s: u64,
@@ -153,7 +155,7 @@ async fn start_all(
         "--model".into(),
         model.clone(),
     ];
-    let engine_args = vec![
+    let mut engine_args = vec![
         "--socket".into(),
         s(&paths.socket("engine")),
         "--cache-socket".into(),
@@ -163,6 +165,7 @@ async fn start_all(
         "--max-running-requests".into(),
         args.max_running_requests.to_string(),
     ];
+    engine_args.extend(args.kv.to_args());
     let mut api_args = vec![
         "--host".into(),
         args.host.clone(),

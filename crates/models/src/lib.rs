@@ -1,7 +1,7 @@
 //! Model code of mmserve on candle: LLaVA-1.5 (`LlavaForConditionalGeneration`), that is
 //! a CLIP vision tower and projector ([`LlavaVision`]) feeding a Llama language model
 //! ([`Llama`]) that runs batched forward steps over variable-length sequences, each
-//! with its own [`KvCache`].
+//! with its own [`KvCache`], or over a paged KV pool ([`PagedKv`], [`Llama::forward_paged`]).
 //!
 //! Weights come from a Hugging Face model directory ([`mmserve_config::ModelDir`]) in
 //! either the Hub's or transformers v5's tensor naming ([`Weights`]).
@@ -11,6 +11,7 @@ mod clip;
 mod error;
 mod llama;
 mod llava;
+mod paged;
 mod weights;
 
 pub use activation::Activation;
@@ -18,4 +19,5 @@ pub use clip::ClipVisionTower;
 pub use error::ModelError;
 pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
+pub use paged::{PagedKv, PagedSeq};
 pub use weights::{Naming, Weights, parse_dtype};

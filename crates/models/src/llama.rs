@@ -70,7 +70,7 @@ pub struct SeqInput<'a> {
     pub cache: &'a mut KvCache,
 }
 
-struct Attention {
+pub(crate) struct Attention {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -95,47 +95,65 @@ impl Attention {
         })
     }
 
-    /// `x` [T, hidden] holds the new rows of all `seqs`; `cos`/`sin` [T, head_dim / 2].
-    fn forward(
+    /// Queries, keys and values of the rows `x` [T, hidden], RoPE applied with
+    /// `cos`/`sin` [T, head_dim / 2]: q [T, heads, head_dim], k and v [T, kv_heads, head_dim].
+    pub(crate) fn project(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        seqs: &mut [SeqInput<'_>],
-        layer: usize,
-    ) -> candle_core::Result<Tensor> {
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let groups = nh / nkv;
         let q = self.q_proj.forward(x)?.reshape((1, t, nh, hd))?;
         let k = self.k_proj.forward(x)?.reshape((1, t, nkv, hd))?;
         let v = self.v_proj.forward(x)?.reshape((t, nkv, hd))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
-        let scale = (hd as f64).powf(-0.5);
+        Ok((q, k, v))
+    }
 
+    /// Causal attention of one sequence's `n` new queries `q` [n, heads, head_dim] (at
+    /// positions `past..past + n`) over its keys and values `k`, `v`
+    /// [kv_heads, past + n, head_dim]: [n, heads · head_dim], before `o_proj`.
+    pub(crate) fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> candle_core::Result<Tensor> {
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let groups = nh / nkv;
+        let n = q.dim(0)?;
+        let total = past + n;
+        // Query heads g*groups..(g+1)*groups share kv head g: fold them into rows.
+        let q = q.transpose(0, 1)?.contiguous()?.reshape((nkv, groups * n, hd))?;
+        let scale = (hd as f64).powf(-0.5);
+        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let scores = if n > 1 {
+            let mask = causal_mask(n, past, q.device())?;
+            scores.reshape((nkv, groups, n, total))?.broadcast_add(&mask)?.reshape((nkv, groups * n, total))?
+        } else {
+            scores
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        let out = probs.matmul(v)?.reshape((nh, n, hd))?.transpose(0, 1)?;
+        out.reshape((n, nh * hd))
+    }
+
+    /// Attention over contiguous per-sequence caches: `q`, `k`, `v` from [`project`](Self::project)
+    /// hold the new rows of all `seqs`.
+    fn forward_contiguous(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        seqs: &mut [SeqInput<'_>],
+        layer: usize,
+    ) -> candle_core::Result<Tensor> {
         let mut outs = Vec::with_capacity(seqs.len());
         let mut offset = 0;
         for seq in seqs.iter_mut() {
             let (n, past) = (seq.new_tokens, seq.cache.len);
             let rows = |x: &Tensor| x.narrow(0, offset, n)?.transpose(0, 1)?.contiguous();
-            let (k, v) = seq.cache.append(layer, rows(&k)?, rows(&v)?)?;
-            let total = past + n;
-            // Query heads g*groups..(g+1)*groups share kv head g: fold them into rows.
-            let q = rows(&q)?.reshape((nkv, groups * n, hd))?;
-            let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-            let scores = if n > 1 {
-                let mask = causal_mask(n, past, x.device())?;
-                scores.reshape((nkv, groups, n, total))?.broadcast_add(&mask)?.reshape((nkv, groups * n, total))?
-            } else {
-                scores
-            };
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-            let out = probs.matmul(&v)?.reshape((nh, n, hd))?.transpose(0, 1)?;
-            outs.push(out.reshape((n, nh * hd))?);
+            let (k, v) = seq.cache.append(layer, rows(k)?, rows(v)?)?;
+            outs.push(self.attend(&q.narrow(0, offset, n)?, &k, &v, past)?);
             offset += n;
         }
-        self.o_proj.forward(&Tensor::cat(&outs, 0)?)
+        Tensor::cat(&outs, 0)
     }
 }
 
@@ -328,8 +346,24 @@ impl Llama {
     }
 
     fn run(&self, input_embeds: &Tensor, seqs: &mut [SeqInput<'_>], all_rows: bool) -> candle_core::Result<Tensor> {
-        let positions: Vec<f32> =
-            seqs.iter().flat_map(|s| (s.cache.len..s.cache.len + s.new_tokens).map(|p| p as f32)).collect();
+        let positions: Vec<usize> = seqs.iter().flat_map(|s| s.cache.len..s.cache.len + s.new_tokens).collect();
+        let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
+        self.run_layers(input_embeds, &positions, (!all_rows).then_some(&lens[..]), |layer, attn, qkv| {
+            attn.forward_contiguous(qkv, seqs, layer)
+        })
+    }
+
+    /// The decoder stack over `input_embeds` [T, hidden] at `positions` (one per row):
+    /// `attention(layer, attn, (q, k, v))` gives each layer's attention output before
+    /// `o_proj`. With `last_of`, only the last row of each run of that many rows is kept.
+    pub(crate) fn run_layers(
+        &self,
+        input_embeds: &Tensor,
+        positions: &[usize],
+        last_of: Option<&[usize]>,
+        mut attention: impl FnMut(usize, &Attention, (&Tensor, &Tensor, &Tensor)) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let positions: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
         let positions = Tensor::from_vec(positions, (input_embeds.dim(0)?, 1), self.device())?;
         let angles = positions.broadcast_mul(&self.inv_freq)?;
         let (cos, sin) = (angles.cos()?.to_dtype(self.dtype())?, angles.sin()?.to_dtype(self.dtype())?);
@@ -337,21 +371,32 @@ impl Llama {
         let mut x = input_embeds.to_dtype(self.dtype())?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x)?;
-            let x1 = (x + layer.self_attn.forward(&h, &cos, &sin, seqs, i)?)?;
+            let attn = &layer.self_attn;
+            let (q, k, v) = attn.project(&h, &cos, &sin)?;
+            let out = attn.o_proj.forward(&attention(i, attn, (&q, &k, &v))?)?;
+            let x1 = (x + out)?;
             let h = layer.post_attention_layernorm.forward(&x1)?;
             x = (&x1 + layer.mlp.forward(&h)?)?;
         }
-        if !all_rows {
+        if let Some(lens) = last_of {
             let mut end = 0u32;
-            let last: Vec<u32> = seqs
+            let last: Vec<u32> = lens
                 .iter()
-                .map(|s| {
-                    end += s.new_tokens as u32;
+                .map(|&n| {
+                    end += n as u32;
                     end - 1
                 })
                 .collect();
             x = x.index_select(&Tensor::new(last, self.device())?, 0)?;
         }
         self.norm.forward(&x)
+    }
+
+    pub(crate) fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
+    pub(crate) fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 }

@@ -113,6 +113,13 @@ pub struct EngineInfo {
     pub max_model_len: u64,
     pub running: u64,
     pub waiting: u64,
+    /// Prompt tokens whose KV came from the prefix cache, since start.
+    pub prefix_cache_hit_tokens: u64,
+    /// Requests preempted (KV pool exhausted; recomputed later), since start.
+    pub preemptions: u64,
+    /// KV blocks held by running sequences, and in the whole pool.
+    pub kv_blocks_used: u64,
+    pub kv_blocks_total: u64,
 }
 
 #[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]

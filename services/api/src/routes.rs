@@ -432,6 +432,15 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     if let Ok(s) = g {
         line("mmserve_running_requests", "gauge", "Requests decoding in the engine.", s.running);
         line("mmserve_waiting_requests", "gauge", "Requests waiting for the engine.", s.waiting);
+        line(
+            "mmserve_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens whose KV came from the prefix cache.",
+            s.prefix_cache_hit_tokens,
+        );
+        line("mmserve_preemptions_total", "counter", "Requests preempted for lack of KV blocks.", s.preemptions);
+        line("mmserve_kv_blocks_used", "gauge", "KV blocks held by running requests.", s.kv_blocks_used);
+        line("mmserve_kv_blocks_total", "gauge", "KV blocks in the pool.", s.kv_blocks_total);
     }
     ([("content-type", "text/plain; version=0.0.4")], out).into_response()
 }

@@ -1,21 +1,31 @@
-//! The model thread: a simple continuous batch. Each step admits waiting requests (up
-//! to `--max-running-requests`), runs one forward over every running sequence (new ones
-//! prefill their whole prompt, the others decode one token), samples, detokenizes and
-//! publishes events. The paged KV cache and chunked prefill replace this in the engine
-//! issue.
+//! The model thread: continuous batching over the paged KV cache.
+//!
+//! Each step: apply commands (an abort frees the request's blocks at once); admit
+//! waiting requests first come, first served while the token-budget rule of
+//! [`Admission`] holds and fewer than `--max-running-requests` run (a new sequence
+//! starts with the prompt's cached prefix from the prefix cache, so its prefill starts
+//! after it); schedule every decode plus prefill chunks of at most
+//! `--chunked-prefill-size` tokens in all (a chunk may split an image's rows); reserve
+//! the blocks, preempting the most recently admitted request when the pool runs out
+//! (its blocks are freed and it goes back to the front of the line, to be recomputed,
+//! its output so far kept); run one [`Llama::forward_paged`]; register full blocks in
+//! the prefix cache; sample, detokenize and publish events for the sequences whose
+//! every token is now computed.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, TryRecvError};
 
 use candle_core::Tensor;
-use mmserve_models::{KvCache, Llama, SeqInput};
+use mmserve_models::{Llama, PagedKv, PagedSeq};
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
 use mmserve_embed_cache::ArenaView;
 
+use crate::admission::{Admission, Need};
 use crate::inputs::embed_prompt;
+use crate::kv::{BlockCopy, BlockManager, KvError, SeqId};
 use crate::outbox::Outbox;
 use crate::sampler::{History, Rng, adjust, logprobs, sample};
 use crate::stops::StopMatcher;
@@ -29,13 +39,41 @@ pub enum Command {
 
 struct Sequence {
     req: GenerateRequest,
-    cache: KvCache,
     /// Tokens generated so far.
     output: Vec<u32>,
     decoder: IncrementalDecoder,
     stops: StopMatcher,
     history: History,
     rng: Rng,
+    /// The block manager's sequence while running; `None` while waiting.
+    kv: Option<SeqId>,
+    /// Tokens (prompt, then output) whose keys and values are in the pool.
+    computed: usize,
+    /// Admission order: larger is more recent.
+    admitted: u64,
+}
+
+impl Sequence {
+    fn len(&self) -> usize {
+        self.req.prompt_ids.len() + self.output.len()
+    }
+
+    /// Prompt ids then output ids, the prefix cache's keys.
+    fn token_ids(&self) -> Vec<u64> {
+        self.req.prompt_ids.iter().copied().chain(self.output.iter().map(|&t| u64::from(t))).collect()
+    }
+}
+
+/// The KV pool and the scheduling settings of the model thread.
+pub struct Scheduler {
+    pub kv: PagedKv,
+    pub blocks: BlockManager,
+    pub max_running: usize,
+    /// Most tokens computed in one step (decodes included; every decode always runs).
+    pub chunked_prefill_size: usize,
+    /// The output length admission assumes (`None`: the full `max_tokens`, so the pool
+    /// is never over-committed and preemption never needed).
+    pub expected_output: Option<u64>,
 }
 
 pub struct Batcher {
@@ -43,15 +81,24 @@ pub struct Batcher {
     pub tokenizer: TextTokenizer,
     pub arena: ArenaView,
     pub outbox: Arc<Outbox>,
-    pub max_running: usize,
+    pub sched: Scheduler,
     pub counts: Arc<crate::service::Counts>,
+}
+
+/// One sequence's share of a step: `n` tokens from `computed`, after `copy`.
+struct Planned {
+    index: usize,
+    n: usize,
+    copy: Option<BlockCopy>,
 }
 
 impl Batcher {
     /// Runs until the command channel closes.
     pub fn run(mut self, commands: Receiver<Command>) {
-        let mut waiting: VecDeque<GenerateRequest> = VecDeque::new();
+        let mut waiting: VecDeque<Sequence> = VecDeque::new();
         let mut running: Vec<Sequence> = Vec::new();
+        let mut order = 0u64;
+        self.publish(&running, &waiting);
         loop {
             // Idle: block until there is work (a notification, not a poll).
             if waiting.is_empty() && running.is_empty() {
@@ -67,30 +114,69 @@ impl Batcher {
                     Err(TryRecvError::Disconnected) => return,
                 }
             }
-            while running.len() < self.max_running {
-                let Some(req) = waiting.pop_front() else { break };
-                let seed = req.params.seed.unwrap_or_else(|| fresh_seed(req.id));
-                let vocab = self.model.config().vocab_size as u64;
-                let prompt = req.prompt_ids.iter().filter(|&&t| t < vocab).map(|&t| t as u32).collect();
-                running.push(Sequence {
-                    decoder: IncrementalDecoder::new(req.params.skip_special_tokens),
-                    stops: StopMatcher::new(&req.params.stop),
-                    history: History { prompt, ..Default::default() },
-                    cache: self.model.new_cache(),
-                    output: Vec::new(),
-                    rng: Rng::new(seed),
-                    req,
-                });
-            }
-            self.counts.set(running.len(), waiting.len());
+            self.admit(&mut waiting, &mut running, &mut order);
+            self.publish(&running, &waiting);
             if !running.is_empty() {
-                self.step(&mut running);
+                self.step(&mut running, &mut waiting);
             }
-            self.counts.set(running.len(), waiting.len());
+            self.publish(&running, &waiting);
         }
     }
 
-    fn apply(&mut self, cmd: Command, waiting: &mut VecDeque<GenerateRequest>, running: &mut Vec<Sequence>) {
+    fn publish(&self, running: &[Sequence], waiting: &VecDeque<Sequence>) {
+        self.counts.set(running.len(), waiting.len());
+        let b = &self.sched.blocks;
+        self.counts.set_kv(b.stats().hit_tokens, b.num_used_blocks(), b.num_blocks());
+    }
+
+    fn need(&self, seq: &Sequence) -> Need {
+        let p = &seq.req.params;
+        let (prompt, generated) = (seq.req.prompt_ids.len() as u64, seq.output.len() as u64);
+        Need::new(prompt, generated, u64::from(p.max_tokens), self.sched.expected_output)
+    }
+
+    /// Admits waiting requests (FCFS) while the batch fits the pool.
+    fn admit(&mut self, waiting: &mut VecDeque<Sequence>, running: &mut Vec<Sequence>, order: &mut u64) {
+        if waiting.is_empty() || running.len() >= self.sched.max_running {
+            return;
+        }
+        let admission = Admission {
+            pool_tokens: self.sched.blocks.pool_tokens() as u64,
+            max_running: self.sched.max_running,
+            slack: self.sched.blocks.block_size() as u64 - 1,
+        };
+        let held: Vec<Need> = running.iter().map(|s| self.need(s)).collect();
+        let room = self.sched.max_running - running.len();
+        let wanted: Vec<Need> = waiting.iter().take(room).map(|s| self.need(s)).collect();
+        let k = admission.admit(&held, &wanted);
+        if k == 0 && running.is_empty() {
+            // Alone it does not fit: it never will (submit checks this; belt and braces).
+            if let Some(seq) = waiting.pop_front() {
+                let reason = FinishReason::Error("the request needs more KV cache than --kv-cache-memory holds".into());
+                self.outbox.push(seq.req.client, [finish_event(seq.req.id, reason)]);
+            }
+            return;
+        }
+        for mut seq in waiting.drain(..k) {
+            let (id, cached) = self.sched.blocks.new_seq(&seq.token_ids());
+            seq.kv = Some(id);
+            seq.computed = cached;
+            *order += 1;
+            seq.admitted = *order;
+            running.push(seq);
+        }
+    }
+
+    fn release(&mut self, seq: &mut Sequence) {
+        if let Some(id) = seq.kv.take()
+            && let Err(e) = self.sched.blocks.free(id)
+        {
+            tracing::error!("freeing KV blocks: {e}");
+        }
+        seq.computed = 0;
+    }
+
+    fn apply(&mut self, cmd: Command, waiting: &mut VecDeque<Sequence>, running: &mut Vec<Sequence>) {
         match cmd {
             Command::Submit(req) => {
                 // Submitted against arenas that a Remap has since replaced: cannot run.
@@ -98,48 +184,151 @@ impl Batcher {
                     let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
                     self.outbox.push(req.client, [finish_event(req.id, reason)]);
                 } else {
-                    waiting.push_back(*req);
+                    waiting.push_back(self.new_sequence(*req));
                 }
             }
             Command::Remap(view) => {
                 self.arena = *view;
-                // Requests not yet prefilled refer to the old arenas: they cannot run.
+                // Requests with prompt rows still to read refer to the old arenas: they cannot run.
                 let instance = self.arena.info.instance;
-                let (keep, stale): (VecDeque<_>, VecDeque<_>) =
-                    std::mem::take(waiting).into_iter().partition(|r| r.cache_instance == instance);
+                let stale = |s: &Sequence| {
+                    !s.req.items.is_empty() && s.req.cache_instance != instance && s.computed < s.req.prompt_ids.len()
+                };
+                let mut gone: Vec<Sequence> = Vec::new();
+                let (keep, old): (VecDeque<_>, VecDeque<_>) =
+                    std::mem::take(waiting).into_iter().partition(|s| !stale(s));
                 *waiting = keep;
-                for req in stale {
+                gone.extend(old);
+                let (keep, old): (Vec<_>, Vec<_>) = std::mem::take(running).into_iter().partition(|s| !stale(s));
+                *running = keep;
+                gone.extend(old);
+                for mut seq in gone {
+                    self.release(&mut seq);
                     let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
-                    self.outbox.push(req.client, [finish_event(req.id, reason)]);
+                    self.outbox.push(seq.req.client, [finish_event(seq.req.id, reason)]);
                 }
             }
             Command::Abort(id) => {
-                let client = if let Some(pos) = waiting.iter().position(|r| r.id == id) {
-                    waiting.remove(pos).map(|r| r.client)
+                let seq = if let Some(pos) = waiting.iter().position(|s| s.req.id == id) {
+                    waiting.remove(pos)
                 } else {
-                    running.iter().position(|s| s.req.id == id).map(|pos| running.swap_remove(pos).req.client)
+                    running.iter().position(|s| s.req.id == id).map(|pos| running.remove(pos))
                 };
-                if let Some(client) = client {
-                    self.outbox.push(client, [finish_event(id, FinishReason::Abort)]);
+                if let Some(mut seq) = seq {
+                    self.release(&mut seq);
+                    self.outbox.push(seq.req.client, [finish_event(id, FinishReason::Abort)]);
                 }
             }
         }
     }
 
-    /// One forward over every running sequence, then sampling and events.
-    fn step(&self, running: &mut Vec<Sequence>) {
-        let logits = match self.forward(running) {
+    fn new_sequence(&self, req: GenerateRequest) -> Sequence {
+        let seed = req.params.seed.unwrap_or_else(|| fresh_seed(req.id));
+        let vocab = self.model.config().vocab_size as u64;
+        let prompt = req.prompt_ids.iter().filter(|&&t| t < vocab).map(|&t| t as u32).collect();
+        Sequence {
+            decoder: IncrementalDecoder::new(req.params.skip_special_tokens),
+            stops: StopMatcher::new(&req.params.stop),
+            history: History { prompt, ..Default::default() },
+            output: Vec::new(),
+            rng: Rng::new(seed),
+            kv: None,
+            computed: 0,
+            admitted: 0,
+            req,
+        }
+    }
+
+    /// Frees the most recently admitted running sequence's blocks and puts it back at
+    /// the front of the line (`running` is in admission order, so it is the last).
+    fn preempt(&mut self, running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>) {
+        if let Some(mut seq) = running.pop() {
+            self.release(&mut seq);
+            self.counts.preempted();
+            tracing::debug!(request = seq.req.id, "preempted: out of KV blocks");
+            waiting.push_front(seq);
+        }
+    }
+
+    /// Which sequences compute how many tokens this step, with their blocks reserved.
+    fn plan(&mut self, running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>) -> Vec<Planned> {
+        running.sort_by_key(|s| s.admitted);
+        // Decodes first (each always runs), then prefill chunks in admission order.
+        let mut order: Vec<usize> =
+            (0..running.len()).filter(|&i| running[i].len() - running[i].computed == 1).collect();
+        order.extend((0..running.len()).filter(|&i| running[i].len() - running[i].computed > 1));
+        let decodes = running.iter().filter(|s| s.len() - s.computed == 1).count();
+        // At least one prefill token per step, however many decode.
+        let mut budget = self.sched.chunked_prefill_size.saturating_sub(decodes).max(1);
+        let mut plan: Vec<Planned> = Vec::new();
+        for index in order {
+            if index >= running.len() {
+                continue; // preempted meanwhile
+            }
+            let todo = running[index].len() - running[index].computed;
+            let n = if todo == 1 {
+                1
+            } else {
+                let n = todo.min(budget);
+                if n == 0 {
+                    continue;
+                }
+                budget -= n;
+                n
+            };
+            while let Some(id) = running[index].kv {
+                match self.sched.blocks.allocate(id, n) {
+                    Ok(copy) => {
+                        plan.push(Planned { index, n, copy });
+                        break;
+                    }
+                    Err(KvError::OutOfBlocks { .. }) => {
+                        let victim = running.len() - 1;
+                        plan.retain(|p| p.index != victim);
+                        self.preempt(running, waiting);
+                        if victim == index {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!("reserving KV blocks: {e}");
+                        break;
+                    }
+                }
+            }
+        }
+        plan
+    }
+
+    /// One forward over the planned sequences, then sampling and events.
+    fn step(&mut self, running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>) {
+        let plan = self.plan(running, waiting);
+        if plan.is_empty() {
+            return;
+        }
+        let logits = match self.forward(running, &plan) {
             Ok(l) => l,
             Err(message) => {
                 tracing::error!("forward step failed: {message}");
-                for seq in running.drain(..) {
+                for mut seq in running.drain(..) {
+                    self.release(&mut seq);
                     self.outbox.push(seq.req.client, [finish_event(seq.req.id, FinishReason::Error(message.clone()))]);
                 }
                 return;
             }
         };
         let mut finished = Vec::new();
-        for (i, (seq, mut row)) in running.iter_mut().zip(logits).enumerate() {
+        for (planned, mut row) in plan.iter().zip(logits) {
+            let seq = &mut running[planned.index];
+            seq.computed += planned.n;
+            if let Some(id) = seq.kv
+                && let Err(e) = self.sched.blocks.commit_full_blocks(id, &seq.token_ids()[..seq.computed])
+            {
+                tracing::warn!("prefix cache: {e}");
+            }
+            if seq.computed < seq.len() {
+                continue; // a prefill chunk short of the prompt's end
+            }
             let p = &seq.req.params;
             let mut stop_ids: Vec<u32> = p.stop_token_ids.clone();
             if !p.ignore_eos {
@@ -174,33 +363,57 @@ impl Batcher {
                 }
             }
             if finish.is_some() {
-                finished.push(i);
+                finished.push(planned.index);
             }
             let event = OutputEvent { request_id: seq.req.id, token_id: Some(token), logprobs: lps, text, finish };
             self.outbox.push(seq.req.client, [event]);
         }
+        finished.sort_unstable();
         for i in finished.into_iter().rev() {
-            running.swap_remove(i);
+            let mut seq = running.remove(i);
+            self.release(&mut seq);
         }
     }
 
-    /// Logits of each sequence's last position, one row per sequence.
-    fn forward(&self, running: &mut [Sequence]) -> Result<Vec<Vec<f32>>, String> {
-        let mut embeds = Vec::with_capacity(running.len());
-        for seq in running.iter() {
-            let e = if seq.cache.is_empty() {
-                embed_prompt(&self.model, &self.arena, &seq.req.prompt_ids, &seq.req.items)?
-            } else {
-                let last = *seq.output.last().expect("a decoding sequence has output");
-                self.model.embed_tokens(&[last]).map_err(|e| e.to_string())?
-            };
-            embeds.push(e);
+    /// Input rows of positions `from..to` of `seq` (prompt rows, then output tokens).
+    fn embed_range(&self, seq: &Sequence, from: usize, to: usize) -> Result<Tensor, String> {
+        let plen = seq.req.prompt_ids.len();
+        let mut parts = Vec::new();
+        if from < plen {
+            parts.push(embed_prompt(
+                &self.model,
+                &self.arena,
+                &seq.req.prompt_ids[from..to.min(plen)],
+                &seq.req.items,
+            )?);
         }
-        let lens: Vec<usize> = embeds.iter().map(|e| e.dim(0).unwrap_or(0)).collect();
+        if to > plen {
+            let ids = &seq.output[from.max(plen) - plen..to - plen];
+            parts.push(self.model.embed_tokens(ids).map_err(|e| e.to_string())?);
+        }
+        Tensor::cat(&parts, 0).map_err(|e| e.to_string())
+    }
+
+    /// Logits of each planned sequence's last computed position, one row each.
+    fn forward(&mut self, running: &[Sequence], plan: &[Planned]) -> Result<Vec<Vec<f32>>, String> {
+        let mut embeds = Vec::with_capacity(plan.len());
+        let mut tables = Vec::with_capacity(plan.len());
+        for p in plan {
+            let seq = &running[p.index];
+            embeds.push(self.embed_range(seq, seq.computed, seq.computed + p.n)?);
+            let id = seq.kv.ok_or("a planned sequence holds no blocks")?;
+            tables.push(self.sched.blocks.block_table(id).map_err(|e| e.to_string())?.to_vec());
+        }
+        for copy in plan.iter().filter_map(|p| p.copy) {
+            self.sched.kv.copy_block(copy.src, copy.dst).map_err(|e| e.to_string())?;
+        }
+        let seqs: Vec<PagedSeq<'_>> = plan
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| PagedSeq { start: running[p.index].computed, new_tokens: p.n, block_table: t })
+            .collect();
         let input = Tensor::cat(&embeds, 0).map_err(|e| e.to_string())?;
-        let mut seqs: Vec<SeqInput<'_>> =
-            running.iter_mut().zip(lens).map(|(s, n)| SeqInput { new_tokens: n, cache: &mut s.cache }).collect();
-        let logits = self.model.forward(&input, &mut seqs, false).map_err(|e| e.to_string())?;
+        let logits = self.model.forward_paged(&input, &seqs, &mut self.sched.kv, false).map_err(|e| e.to_string())?;
         logits.to_vec2::<f32>().map_err(|e| e.to_string())
     }
 }

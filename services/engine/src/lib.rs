@@ -35,6 +35,47 @@ pub struct EngineArgs {
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// KV cache and scheduling flags (shared with `mmserve serve`, which passes them on).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KvArgs {
+    /// Bytes of the paged KV pool (K and V of every layer), e.g. `256MiB`.
+    #[arg(long, env = "MMSERVE_KV_CACHE_MEMORY", default_value = "256MiB")]
+    pub kv_cache_memory: mmserve_embed_cache::ByteSize,
+    /// Tokens per KV block.
+    #[arg(long, env = "MMSERVE_BLOCK_SIZE", default_value_t = kv::DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+    /// Most tokens computed in one step across the batch (prefill chunks plus decodes).
+    #[arg(long, env = "MMSERVE_CHUNKED_PREFILL_SIZE", default_value_t = 512)]
+    pub chunked_prefill_size: usize,
+    /// Turn the prefix cache off (no KV blocks shared between requests).
+    #[arg(long, env = "MMSERVE_NO_PREFIX_CACHE")]
+    pub no_prefix_cache: bool,
+    /// Output length (tokens) that admission assumes per request instead of its full
+    /// `max_tokens`: admits more at once, preempting when the pool runs out anyway.
+    #[arg(long, env = "MMSERVE_EXPECTED_OUTPUT_TOKENS")]
+    pub expected_output_tokens: Option<u64>,
+}
+
+impl KvArgs {
+    /// The same settings as command-line flags, for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            format!("--kv-cache-memory={}", self.kv_cache_memory.0),
+            format!("--block-size={}", self.block_size),
+            format!("--chunked-prefill-size={}", self.chunked_prefill_size),
+        ];
+        if self.no_prefix_cache {
+            a.push("--no-prefix-cache".into());
+        }
+        if let Some(n) = self.expected_output_tokens {
+            a.push(format!("--expected-output-tokens={n}"));
+        }
+        a
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +88,8 @@ pub enum EngineServiceError {
     Text(#[from] mmserve_text::TextError),
     #[error("embed cache: {0}")]
     Cache(String),
+    #[error("KV cache: {0}")]
+    Kv(String),
     #[error(transparent)]
     Shm(#[from] mmserve_shm::ShmError),
     #[error("binding {path}: {source}")]

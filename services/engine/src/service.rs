@@ -8,13 +8,13 @@ use std::time::Duration;
 use candle_core::{DType, Device};
 use mmserve_config::ModelDir;
 use mmserve_embed_cache::ArenaView;
-use mmserve_models::Llama;
+use mmserve_models::{Llama, PagedKv};
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{ArenaInfo, Engine, EngineError, EngineInfo, GenerateRequest, OutputEvent, deadline};
 use mmserve_text::TextTokenizer;
 use tarpc::context::Context;
 
-use crate::batch::{Batcher, Command};
+use crate::batch::{Batcher, Command, Scheduler};
 use crate::inputs::validate;
 use crate::outbox::Outbox;
 use crate::{EngineArgs, EngineServiceError};
@@ -24,12 +24,26 @@ use crate::{EngineArgs, EngineServiceError};
 pub struct Counts {
     running: AtomicU64,
     waiting: AtomicU64,
+    prefix_hit_tokens: AtomicU64,
+    preemptions: AtomicU64,
+    blocks_used: AtomicU64,
+    blocks_total: AtomicU64,
 }
 
 impl Counts {
     pub fn set(&self, running: usize, waiting: usize) {
         self.running.store(running as u64, Ordering::Relaxed);
         self.waiting.store(waiting as u64, Ordering::Relaxed);
+    }
+
+    pub fn set_kv(&self, prefix_hit_tokens: u64, blocks_used: usize, blocks_total: usize) {
+        self.prefix_hit_tokens.store(prefix_hit_tokens, Ordering::Relaxed);
+        self.blocks_used.store(blocks_used as u64, Ordering::Relaxed);
+        self.blocks_total.store(blocks_total as u64, Ordering::Relaxed);
+    }
+
+    pub fn preempted(&self) {
+        self.preemptions.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -43,6 +57,9 @@ pub struct EngineService {
     counts: Arc<Counts>,
     vocab: usize,
     max_len: usize,
+    /// Token slots of the KV pool, and tokens per block: what one request may need.
+    pool_tokens: usize,
+    block_size: usize,
     /// The arenas the model thread reads (or will read once its `Remap` arrives).
     arena: Arc<Mutex<ArenaInfo>>,
     cache: Arc<CacheConnection>,
@@ -56,6 +73,24 @@ impl EngineService {
         let view = ArenaView::open(&info)?;
         let vocab = model.config().vocab_size;
         let max_len = model.config().max_position_embeddings;
+        let cfg = model.config();
+        let dtype = model.dtype();
+        let kv = &args.kv;
+        let num_blocks = crate::kv::blocks_for_budget(
+            kv.kv_cache_memory.0,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype.size_in_bytes(),
+            kv.block_size,
+        );
+        let blocks = crate::kv::BlockManager::new(num_blocks, kv.block_size)
+            .map_err(|e| EngineServiceError::Kv(e.to_string()))?
+            .with_prefix_cache(!kv.no_prefix_cache);
+        let paged = PagedKv::new(&model, num_blocks, kv.block_size, dtype)
+            .map_err(|e| EngineServiceError::Kv(format!("{e} (raise --kv-cache-memory)")))?;
+        let pool_tokens = blocks.pool_tokens();
+        tracing::info!(num_blocks, block_size = kv.block_size, "paged KV cache");
         let outbox = Arc::new(Outbox::default());
         let counts = Arc::new(Counts::default());
         // Bounded: a flood of submissions waits here instead of growing without limit.
@@ -65,7 +100,13 @@ impl EngineService {
             tokenizer,
             arena: view,
             outbox: outbox.clone(),
-            max_running: args.max_running_requests.max(1),
+            sched: Scheduler {
+                kv: paged,
+                blocks,
+                max_running: args.max_running_requests.max(1),
+                chunked_prefill_size: kv.chunked_prefill_size.max(1),
+                expected_output: kv.expected_output_tokens,
+            },
             counts: counts.clone(),
         };
         std::thread::Builder::new()
@@ -78,6 +119,8 @@ impl EngineService {
             counts,
             vocab,
             max_len,
+            pool_tokens,
+            block_size: args.kv.block_size,
             arena: Arc::new(Mutex::new(info)),
             cache: Arc::new(cache),
         })
@@ -128,6 +171,10 @@ impl Engine for EngineService {
             max_model_len: self.max_len as u64,
             running: self.counts.running.load(Ordering::Relaxed),
             waiting: self.counts.waiting.load(Ordering::Relaxed),
+            prefix_cache_hit_tokens: self.counts.prefix_hit_tokens.load(Ordering::Relaxed),
+            preemptions: self.counts.preemptions.load(Ordering::Relaxed),
+            kv_blocks_used: self.counts.blocks_used.load(Ordering::Relaxed),
+            kv_blocks_total: self.counts.blocks_total.load(Ordering::Relaxed),
         }
     }
 
@@ -138,6 +185,14 @@ impl Engine for EngineService {
             false => self.arena_for(request.cache_instance).await?.slots,
         };
         validate(&request, self.vocab, slots, self.max_len)?;
+        // Alone in the pool, with its last block partly empty: what can never fit is refused.
+        let need = request.prompt_ids.len() as u64 + u64::from(request.params.max_tokens) + self.block_size as u64 - 1;
+        if need > self.pool_tokens as u64 {
+            return Err(EngineError::Invalid(format!(
+                "the prompt and max_tokens need {need} KV token slots; the pool (--kv-cache-memory) holds {}",
+                self.pool_tokens
+            )));
+        }
         self.send(Command::Submit(Box::new(request)))
     }
 

@@ -1,0 +1,213 @@
+//! Llama over a paged KV cache: [`PagedKv`] holds, per layer, K and V as
+//! `[num_blocks, kv_heads, block_size, head_dim]` tensors (block-major; within a block one
+//! KV head's `block_size × head_dim` tile is contiguous, FlashInfer's "HND"), and
+//! [`Llama::forward_paged`] runs a batched step whose sequences each name their block
+//! table. Token `p` of a sequence lives in block `table[p / block_size]` at row
+//! `p % block_size`. The block ids themselves are managed elsewhere (the engine's block
+//! manager); this module only reads and writes the slots it is told.
+//!
+//! A step first writes every new token's K and V into its slot, then each sequence
+//! attends over its blocks, gathered by its block table in position order, so the
+//! result equals the contiguous path's ([`Llama::forward`]) exactly.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::ModelError;
+use crate::llama::Llama;
+
+/// The KV pool of one model: per layer, K and V `[num_blocks, kv_heads, block_size, head_dim]`.
+pub struct PagedKv {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    num_blocks: usize,
+    block_size: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl PagedKv {
+    /// A zeroed pool of `num_blocks` blocks of `block_size` tokens for `model`.
+    pub fn new(model: &Llama, num_blocks: usize, block_size: usize, dtype: DType) -> Result<Self, ModelError> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(ModelError::InvalidInput(format!(
+                "a paged KV cache needs blocks: {num_blocks} blocks of {block_size} tokens"
+            )));
+        }
+        let cfg = model.config();
+        let (kv_heads, head_dim) = (cfg.num_key_value_heads, cfg.head_dim);
+        let shape = (num_blocks, kv_heads, block_size, head_dim);
+        let zeros = |_| Tensor::zeros(shape, dtype, model.device());
+        let k = (0..model.num_layers()).map(zeros).collect::<candle_core::Result<Vec<_>>>()?;
+        let v = (0..model.num_layers()).map(zeros).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(PagedKv { k, v, num_blocks, block_size, kv_heads, head_dim })
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.k.first().map_or(DType::F32, |t| t.dtype())
+    }
+
+    /// K and V of `layer`: `[num_blocks, kv_heads, block_size, head_dim]`.
+    pub fn layer(&self, layer: usize) -> Option<(&Tensor, &Tensor)> {
+        Some((self.k.get(layer)?, self.v.get(layer)?))
+    }
+
+    /// Copy block `src` into block `dst` in every layer, K and V (copy-on-write).
+    pub fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), ModelError> {
+        let (src, dst) = (src as usize, dst as usize);
+        if src >= self.num_blocks || dst >= self.num_blocks {
+            return Err(ModelError::InvalidInput(format!(
+                "block copy {src} → {dst} outside the pool of {}",
+                self.num_blocks
+            )));
+        }
+        if src == dst {
+            return Ok(());
+        }
+        for t in self.k.iter().chain(&self.v) {
+            // A copy of the source block first: slice_set refuses a shared storage.
+            let block = t.narrow(0, src, 1)?.copy()?;
+            t.slice_set(&block, 0, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `k`, `v` [T, kv_heads, head_dim] of `layer` into the rows `rows` (one per
+    /// token and head, see [`row_indices`](Self::row_indices)).
+    fn write(&self, layer: usize, rows: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<()> {
+        let flat = (self.num_blocks * self.kv_heads * self.block_size, self.head_dim);
+        let src = |x: &Tensor| x.reshape((rows.dim(0)?, self.head_dim))?.to_dtype(self.dtype())?.contiguous();
+        // Reshaping a contiguous tensor shares its storage: the writes land in the pool.
+        self.k[layer].reshape(flat)?.scatter_set(rows, &src(k)?, 0)?;
+        self.v[layer].reshape(flat)?.scatter_set(rows, &src(v)?, 0)?;
+        Ok(())
+    }
+
+    /// Row indices (into the pool viewed as `[blocks · kv_heads · block_size, head_dim]`)
+    /// of every (new token, KV head), broadcast over `head_dim` for `scatter_set`.
+    fn row_indices(&self, seqs: &[PagedSeq<'_>], device: &Device) -> candle_core::Result<Tensor> {
+        let (bs, nkv, hd) = (self.block_size, self.kv_heads, self.head_dim);
+        let mut rows = Vec::new();
+        for s in seqs {
+            for p in s.start..s.start + s.new_tokens {
+                let block = s.block_table[p / bs] as usize;
+                for h in 0..nkv {
+                    let row = ((block * nkv + h) * bs + p % bs) as u32;
+                    rows.extend(std::iter::repeat_n(row, hd));
+                }
+            }
+        }
+        let n = rows.len() / hd.max(1);
+        Tensor::from_vec(rows, (n, hd), device)
+    }
+
+    /// Keys and values of one sequence's first `len` tokens: [kv_heads, len, head_dim].
+    fn gather(&self, layer: usize, table: &Tensor, len: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let (nkv, hd) = (self.kv_heads, self.head_dim);
+        let blocks = table.dim(0)?;
+        let one = |t: &Tensor| {
+            t.index_select(table, 0)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((nkv, blocks * self.block_size, hd))?
+                .narrow(1, 0, len)?
+                .contiguous()
+        };
+        Ok((one(&self.k[layer])?, one(&self.v[layer])?))
+    }
+}
+
+/// One sequence of a paged forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSeq<'a> {
+    /// Tokens already in the cache: the new ones take positions `start..start + new_tokens`
+    /// (and attend over all earlier positions, read from the blocks).
+    pub start: usize,
+    /// Rows of the step's `input_embeds` that belong to this sequence (in order).
+    pub new_tokens: usize,
+    /// The sequence's blocks in position order; must cover `start + new_tokens` tokens.
+    pub block_table: &'a [u32],
+}
+
+impl Llama {
+    /// One forward step over sequences whose new tokens are concatenated along dim 0 of
+    /// `input_embeds` [total_new_tokens, hidden], with keys and values in `kv`: writes
+    /// each new token's K and V into its slot, and attends (causally, never across
+    /// sequences) over the sequence's blocks. Slots of positions `start..` are written
+    /// even if the step fails later; the caller counts them only after success.
+    ///
+    /// Returns f32 logits [total_new_tokens, vocab] if `all_logits`, else each
+    /// sequence's last row: [seqs.len(), vocab].
+    pub fn forward_paged(
+        &self,
+        input_embeds: &Tensor,
+        seqs: &[PagedSeq<'_>],
+        kv: &mut PagedKv,
+        all_logits: bool,
+    ) -> Result<Tensor, ModelError> {
+        let (total, hidden) = input_embeds.dims2()?;
+        if hidden != self.config().hidden_size {
+            return Err(ModelError::InvalidInput(format!(
+                "input_embeds has width {hidden}, the model {}",
+                self.config().hidden_size
+            )));
+        }
+        if seqs.is_empty() || seqs.iter().any(|s| s.new_tokens == 0) {
+            return Err(ModelError::InvalidInput("every sequence needs a new token".into()));
+        }
+        if seqs.iter().map(|s| s.new_tokens).sum::<usize>() != total {
+            return Err(ModelError::InvalidInput(format!(
+                "new_tokens of the sequences do not add up to the {total} input rows"
+            )));
+        }
+        let cfg = self.config();
+        if kv.k.len() != self.num_layers() || kv.kv_heads != cfg.num_key_value_heads || kv.head_dim != cfg.head_dim {
+            return Err(ModelError::InvalidInput("paged KV cache made for another model".into()));
+        }
+        for s in seqs {
+            let len = s.start.saturating_add(s.new_tokens);
+            if s.block_table.len() < len.div_ceil(kv.block_size) {
+                return Err(ModelError::InvalidInput(format!(
+                    "a block table of {} blocks cannot hold {len} tokens",
+                    s.block_table.len()
+                )));
+            }
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= kv.num_blocks) {
+                return Err(ModelError::InvalidInput(format!("block {b} outside the pool of {}", kv.num_blocks)));
+            }
+        }
+        let device = self.device().clone();
+        let rows = kv.row_indices(seqs, &device)?;
+        let tables = seqs
+            .iter()
+            .map(|s| {
+                let used = (s.start + s.new_tokens).div_ceil(kv.block_size);
+                Tensor::new(&s.block_table[..used], &device)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
+        let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
+        let kv = &*kv;
+        let hidden =
+            self.run_layers(input_embeds, &positions, (!all_logits).then_some(&lens[..]), |layer, attn, (q, k, v)| {
+                kv.write(layer, &rows, k, v)?;
+                let mut outs = Vec::with_capacity(seqs.len());
+                let mut offset = 0;
+                for (s, table) in seqs.iter().zip(&tables) {
+                    let (k, v) = kv.gather(layer, table, s.start + s.new_tokens)?;
+                    let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
+                    outs.push(attn.attend(&q.narrow(0, offset, s.new_tokens)?, &k, &v, s.start)?);
+                    offset += s.new_tokens;
+                }
+                Tensor::cat(&outs, 0)
+            })?;
+        Ok(candle_core::Module::forward(self.lm_head(), &hidden)?.to_dtype(DType::F32)?)
+    }
+}
