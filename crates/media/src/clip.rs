@@ -273,12 +273,18 @@ impl ClipImageProcessor {
         // Per channel, the f32 value of each u8 level (padding is level 0).
         let lut = level_table((self.rescale, self.normalize));
         let (ch, cw) = (ch as usize, cw as usize);
-        let mut out: Vec<f32> = (0..3).flat_map(|c| std::iter::repeat_n(lut[c][0], ch * cw)).collect();
+        let mut out: Vec<f32> = Vec::with_capacity(3 * ch * cw);
+        for table in &lut {
+            out.resize(out.len() + ch * cw, table[0]);
+        }
         let (y0, x0) = ((i64::from(rows.start) - top) as usize, (i64::from(cols.start) - left) as usize);
-        for (x, y, px) in window.enumerate_pixels() {
-            let (y, x) = (y0 + y as usize, x0 + x as usize);
-            for c in 0..3 {
-                out[(c * ch + y) * cw + x] = lut[c][usize::from(px[c])];
+        let win_w = window.width() as usize;
+        for (y, line) in window.as_raw().chunks_exact(win_w.max(1) * 3).enumerate() {
+            for (c, table) in lut.iter().enumerate() {
+                let dst = &mut out[(c * ch + y0 + y) * cw + x0..][..win_w];
+                for (o, px) in dst.iter_mut().zip(line.chunks_exact(3)) {
+                    *o = table[usize::from(px[c])];
+                }
             }
         }
         Ok(out)
