@@ -55,6 +55,25 @@ impl SlotAllocator {
         Some(start)
     }
 
+    /// Takes the exact range `start..start + len` if it is free (used to undo releases).
+    pub fn take(&mut self, start: u64, len: u64) -> bool {
+        if len == 0 {
+            return true;
+        }
+        let Some((&block, &block_len)) = self.by_start.range(..=start).next_back() else { return false };
+        if block + block_len < start + len {
+            return false;
+        }
+        self.remove_free(block, block_len);
+        if start > block {
+            self.insert_free(block, start - block);
+        }
+        if block + block_len > start + len {
+            self.insert_free(start + len, block + block_len - start - len);
+        }
+        true
+    }
+
     /// Returns a block to the free list, merging it with free neighbours.
     pub fn release(&mut self, start: u64, len: u64) {
         if len == 0 {
@@ -153,6 +172,10 @@ mod tests {
                     }
                 } else {
                     let (s, l) = held.swap_remove(pick.index(held.len()));
+                    a.release(s, l);
+                    // Taking the exact range back and releasing it again changes nothing.
+                    prop_assert!(a.take(s, l));
+                    prop_assert!(!a.take(s, l), "a taken range is not free");
                     a.release(s, l);
                 }
                 prop_assert_eq!(a.used(), held.iter().map(|h| h.1).sum::<u64>());

@@ -296,22 +296,32 @@ impl CacheState {
         {
             return Some((Vec::new(), placed));
         }
-        // Plan on copies: evict the oldest unreferenced records (never one this request
-        // is about to use) until every new item has its blocks.
+        // Evict the oldest unreferenced records (never one this request is about to use)
+        // on the allocators themselves until every new item has its blocks; if that never
+        // happens, take the victims' exact blocks back (free lists are canonical, so the
+        // state is as before). No copy of the allocators on this path.
         let in_request: Vec<u64> = distinct.iter().filter_map(|i| self.find(&i.digest)).collect();
-        let (mut slots, mut pages) = (self.slots.clone(), self.pages.clone());
-        let mut victims = Vec::new();
-        let mut candidates = self.lru.values().copied().filter(|id| !in_request.contains(id));
+        let mut victims: Vec<u64> = Vec::new();
+        let mut after = 0u64;
         loop {
-            let id = candidates.next()?;
+            let next = self.lru.range(after..).find(|(_, id)| !in_request.contains(id)).map(|(&t, &id)| (t, id));
+            let Some((tick, id)) = next else {
+                for v in &victims {
+                    let r = &self.records[v];
+                    let restored = self.slots.take(r.start_index, u64::from(r.token_num))
+                        && self.pages.take(r.data_page, r.pages());
+                    debug_assert!(restored, "a victim's blocks were free again");
+                }
+                return None;
+            };
+            after = tick + 1;
             let r = &self.records[&id];
-            slots.release(r.start_index, u64::from(r.token_num));
-            pages.release(r.data_page, r.pages());
+            self.slots.release(r.start_index, u64::from(r.token_num));
+            self.pages.release(r.data_page, r.pages());
             victims.push(id);
             if self.records.len() as u64 - victims.len() as u64 + needed_items <= self.limits.items
-                && let Some(placed) = place_all(&mut slots, &mut pages, new)
+                && let Some(placed) = place_all(&mut self.slots, &mut self.pages, new)
             {
-                (self.slots, self.pages) = (slots, pages);
                 return Some((victims, placed));
             }
         }
