@@ -2,29 +2,11 @@
 
 mod common;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{Reference, argmax, assert_close, fixture_dir};
-use mmserve_config::ModelDir;
-use mmserve_models::{KvCache, Llama, LlavaVision, ModelError, SeqInput, merge_image_embeddings};
+use candle_core::{IndexOp, Tensor};
+use common::{Reference, argmax, assert_close};
+use mmserve_models::{KvCache, Llama, ModelError, SeqInput};
 
 const TOL: f32 = 1e-5;
-
-struct Prompts {
-    llama: Llama,
-    image: Tensor,
-    text: Tensor,
-}
-
-fn prompts() -> Prompts {
-    let r = Reference::load();
-    let dir = ModelDir::open(fixture_dir()).unwrap();
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let features = vision.encode(&r.tensor("pixel_values")).unwrap();
-    let image = merge_image_embeddings(&llama, &r.ids("input_ids"), 1000, &features).unwrap();
-    let text = llama.embed_tokens(&r.ids("text_only_input_ids")).unwrap();
-    Prompts { llama, image, text }
-}
 
 /// Runs one sequence alone; returns its last logits row.
 fn alone(llama: &Llama, embeds: &Tensor, cache: &mut KvCache) -> Tensor {
@@ -34,7 +16,7 @@ fn alone(llama: &Llama, embeds: &Tensor, cache: &mut KvCache) -> Tensor {
 
 #[test]
 fn two_prompts_in_one_step_match_single_runs() {
-    let Prompts { llama, image, text } = prompts();
+    let (llama, image, text) = common::prompts();
     let (n_image, n_text) = (image.dim(0).unwrap(), text.dim(0).unwrap());
     let (mut image_alone, mut text_alone) = (llama.new_cache(), llama.new_cache());
     let image_last = alone(&llama, &image, &mut image_alone);
@@ -84,7 +66,7 @@ fn two_prompts_in_one_step_match_single_runs() {
 
 #[test]
 fn prefill_and_decode_mixed_in_one_step() {
-    let Prompts { llama, image, text } = prompts();
+    let (llama, image, text) = common::prompts();
     let mut image_cache = llama.new_cache();
     let image_last = alone(&llama, &image, &mut image_cache);
     let text_last = alone(&llama, &text, &mut llama.new_cache());
@@ -105,7 +87,7 @@ fn prefill_and_decode_mixed_in_one_step() {
 
 #[test]
 fn bad_steps_are_errors_and_leave_caches_alone() {
-    let Prompts { llama, text, .. } = prompts();
+    let (llama, _, text) = common::prompts();
     let mut cache = llama.new_cache();
     let n = text.dim(0).unwrap();
     let mut seqs = [SeqInput { new_tokens: n - 1, cache: &mut cache }];

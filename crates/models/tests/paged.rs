@@ -3,23 +3,11 @@
 
 mod common;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{Reference, argmax, assert_close, fixture_dir};
-use mmserve_config::ModelDir;
-use mmserve_models::{Llama, LlavaVision, ModelError, PagedKv, PagedSeq, SeqInput, merge_image_embeddings};
+use candle_core::{DType, IndexOp, Tensor};
+use common::{Reference, argmax, assert_close};
+use mmserve_models::{Llama, ModelError, PagedKv, PagedSeq, SeqInput};
 
 const TOL: f32 = 1e-5;
-
-fn setup() -> (Llama, Tensor, Tensor) {
-    let r = Reference::load();
-    let dir = ModelDir::open(fixture_dir()).unwrap();
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let features = vision.encode(&r.tensor("pixel_values")).unwrap();
-    let image = merge_image_embeddings(&llama, &r.ids("input_ids"), 1000, &features).unwrap();
-    let text = llama.embed_tokens(&r.ids("text_only_input_ids")).unwrap();
-    (llama, image, text)
-}
 
 /// Contiguous reference: all prompt logits, then `steps` greedy decode logits.
 fn contiguous(llama: &Llama, prompt: &Tensor, steps: usize) -> (Tensor, Vec<(u32, Tensor)>) {
@@ -72,7 +60,7 @@ fn check_one(llama: &Llama, prompt: &Tensor, block_size: usize, chunk: usize, wh
 
 #[test]
 fn paged_matches_contiguous_whole_and_chunked() {
-    let (llama, image, text) = setup();
+    let (llama, image, text) = common::prompts();
     for block_size in [16, 4] {
         for chunk in [usize::MAX, 7] {
             check_one(&llama, &image, block_size, chunk, "image prompt");
@@ -83,7 +71,7 @@ fn paged_matches_contiguous_whole_and_chunked() {
 
 #[test]
 fn two_sequences_in_one_step_match_single_runs() {
-    let (llama, image, text) = setup();
+    let (llama, image, text) = common::prompts();
     let (image_all, image_dec) = contiguous(&llama, &image, 1);
     let (text_all, text_dec) = contiguous(&llama, &text, 1);
     let (ni, nt) = (image.dim(0).unwrap(), text.dim(0).unwrap());
@@ -114,7 +102,7 @@ fn two_sequences_in_one_step_match_single_runs() {
 
 #[test]
 fn shared_prefix_blocks_and_copies() {
-    let (llama, _, text) = setup();
+    let (llama, _, text) = common::prompts();
     let n = text.dim(0).unwrap();
     let (all, _) = contiguous(&llama, &text, 0);
     let bs = 4;
@@ -135,7 +123,7 @@ fn shared_prefix_blocks_and_copies() {
 
 #[test]
 fn bad_paged_steps_are_errors() {
-    let (llama, _, text) = setup();
+    let (llama, _, text) = common::prompts();
     let n = text.dim(0).unwrap();
     let mut kv = PagedKv::new(&llama, 4, 4, DType::F32).unwrap();
     let short = [0u32, 1];

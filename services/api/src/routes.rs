@@ -182,6 +182,8 @@ struct StreamState {
     started: Started,
     /// Every choice's events, merged: (choice index, event).
     events: futures::stream::SelectAll<futures::stream::BoxStream<'static, (usize, OutputEvent)>>,
+    /// The engine request id of each choice.
+    choice_ids: Vec<u64>,
     /// Choices not finished yet.
     open: usize,
     id: String,
@@ -236,12 +238,11 @@ fn stream(
         events.push(s.map(move |ev| (index, ev)).boxed());
     }
     let open = ids.len();
-    // Keep the choice ids for mark_finished.
-    started.choices = ids.into_iter().map(|id| (id, mpsc::unbounded_channel().1)).collect();
     let mut s = StreamState {
         state,
         started,
         events,
+        choice_ids: ids,
         open,
         id,
         created: now(),
@@ -318,7 +319,7 @@ impl StreamState {
             self.done = true;
             return;
         }
-        if let Some(&(request_id, _)) = self.started.choices.get(index) {
+        if let Some(&request_id) = self.choice_ids.get(index) {
             self.started.guard.mark_finished(request_id);
         }
         let content = (!ev.text.is_empty()).then_some(ev.text);
