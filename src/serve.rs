@@ -133,6 +133,8 @@ async fn start_all(
         paths.shm_prefix.clone(),
         "--embed-dim".into(),
         dir.config.lm_hidden_size().to_string(),
+        "--embed-dtype".into(),
+        dir.config.dtype().to_string(),
         "--embed-cache-size".into(),
         cap.embed_cache_size.0.to_string(),
         "--embed-cache-data-size".into(),

@@ -150,8 +150,8 @@ pub struct ArenaInfo {
     pub slots: u64,
     pub layers: u32,
     pub hidden: u32,
-    /// `float32` (the only one so far).
-    pub dtype: String,
+    /// The LLM's dtype: rows are stored as the LM will consume them.
+    pub dtype: ArenaDtype,
     /// Raw item bytes.
     pub data_segment: String,
     pub data_bytes: u64,
@@ -160,7 +160,54 @@ pub struct ArenaInfo {
 impl ArenaInfo {
     /// Bytes of one slot.
     pub fn slot_bytes(&self) -> usize {
-        self.layers as usize * self.hidden as usize * 4
+        self.layers as usize * self.hidden as usize * self.dtype.size()
+    }
+}
+
+/// Element type of the embedding arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ArenaDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl ArenaDtype {
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            ArenaDtype::F32 => 4,
+            ArenaDtype::Bf16 | ArenaDtype::F16 => 2,
+        }
+    }
+
+    /// The name `config.json` uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            ArenaDtype::F32 => "float32",
+            ArenaDtype::Bf16 => "bfloat16",
+            ArenaDtype::F16 => "float16",
+        }
+    }
+}
+
+impl std::fmt::Display for ArenaDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ArenaDtype {
+    type Err = String;
+
+    /// Accepts `config.json`'s names and the short ones (`f32`, `bf16`, `f16`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "float32" | "f32" => Ok(ArenaDtype::F32),
+            "bfloat16" | "bf16" => Ok(ArenaDtype::Bf16),
+            "float16" | "f16" => Ok(ArenaDtype::F16),
+            other => Err(format!("unknown dtype {other:?} (float32, bfloat16 or float16)")),
+        }
     }
 }
 

@@ -12,7 +12,7 @@ pub mod reconnect;
 pub mod transport;
 
 pub use cache::{
-    AdminError, AllocItem, ArenaInfo, CacheAdmin, CacheAdminClient, CacheError, CacheStats, EmbedCache,
+    AdminError, AllocItem, ArenaDtype, ArenaInfo, CacheAdmin, CacheAdminClient, CacheError, CacheStats, EmbedCache,
     EmbedCacheClient, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality,
 };
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};

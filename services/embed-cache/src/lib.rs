@@ -13,6 +13,8 @@ mod view;
 
 use std::path::PathBuf;
 
+use mmserve_protocol::ArenaDtype;
+
 pub use service::CacheService;
 pub use size::ByteSize;
 pub use view::ArenaView;
@@ -29,6 +31,9 @@ pub struct CacheArgs {
     /// Width of one embedding row (the LLM's hidden size), in values.
     #[arg(long, env = "MMSERVE_EMBED_DIM")]
     pub embed_dim: u32,
+    /// Element type of the arena: the LLM's dtype (`float32`, `bfloat16`, `float16`).
+    #[arg(long, env = "MMSERVE_EMBED_DTYPE", default_value = "float32")]
+    pub embed_dtype: ArenaDtype,
     #[command(flatten)]
     pub capacity: CapacityArgs,
     #[command(flatten)]
@@ -38,7 +43,7 @@ pub struct CacheArgs {
 /// How much the cache holds.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CapacityArgs {
-    /// Bytes of the embedding arena; slots = size / (hidden × 4 bytes).
+    /// Bytes of the embedding arena; slots = size / (hidden × dtype size).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_SIZE", default_value = "1GiB")]
     pub embed_cache_size: ByteSize,
     /// Bytes of raw media kept in shared memory.
@@ -129,9 +134,10 @@ pub async fn run(args: CacheArgs, shutdown: impl Future<Output = ()>) -> Result<
         hidden = info.hidden,
         items = args.capacity.embed_cache_items,
         data = %args.capacity.embed_cache_data_size,
-        "embed cache: {} slots of {} values ({}), arena {}",
+        "embed cache: {} slots of {} {} values ({}), arena {}",
         info.slots,
         info.hidden,
+        info.dtype,
         args.capacity.embed_cache_size,
         info.embed_segment
     );

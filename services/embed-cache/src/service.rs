@@ -90,7 +90,7 @@ pub struct CacheService {
 impl CacheService {
     pub fn new(args: &CacheArgs) -> Result<Self, CacheServiceError> {
         let cap = &args.capacity;
-        let slot_bytes = u64::from(args.embed_dim) * 4;
+        let slot_bytes = u64::from(args.embed_dim) * args.embed_dtype.size() as u64;
         if slot_bytes == 0 {
             return Err(CacheServiceError::Capacity("--embed-dim must be positive".into()));
         }
@@ -124,7 +124,7 @@ impl CacheService {
             slots,
             layers: 1,
             hidden: args.embed_dim,
-            dtype: "float32".into(),
+            dtype: args.embed_dtype,
             data_segment,
             data_bytes: cap.embed_cache_data_size.0,
         };

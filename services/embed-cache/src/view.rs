@@ -1,10 +1,12 @@
 //! How other processes see the cache's arenas. The layout is the cache's business, so
 //! the encoder and the engine read and write rows only through this view.
 //!
-//! Embedding arena: `[slots, layers, hidden]` f32, row-major; slot `s` starts at byte
-//! `s × layers × hidden × 4`. Data arena: raw item bytes at the offsets `alloc` returns.
+//! Embedding arena: `[slots, layers, hidden]` in the LLM's dtype, row-major; slot `s`
+//! starts at byte `s × layers × hidden × dtype size`. Callers speak f32; the view converts
+//! (round to nearest even on the way in, exact on the way out). Data arena: raw item bytes at the offsets `alloc` returns.
 
-use mmserve_protocol::ArenaInfo;
+use half::{bf16, f16};
+use mmserve_protocol::{ArenaDtype, ArenaInfo};
 use mmserve_shm::{Segment, ShmError};
 
 pub struct ArenaView {
@@ -15,9 +17,6 @@ pub struct ArenaView {
 
 impl ArenaView {
     pub fn open(info: &ArenaInfo) -> Result<Self, ShmError> {
-        if info.dtype != "float32" {
-            return Err(ShmError::BadName(format!("arena dtype {} (only float32 is supported)", info.dtype)));
-        }
         let embed = Segment::open(&info.embed_segment, info.slots as usize * info.slot_bytes())?;
         let data = Segment::open(&info.data_segment, info.data_bytes as usize)?;
         Ok(ArenaView { info: info.clone(), embed, data })
@@ -30,7 +29,12 @@ impl ArenaView {
 
     /// Writes whole rows starting at `slot`.
     pub fn write_rows(&self, slot: u64, rows: &[f32]) -> Result<(), ShmError> {
-        self.embed.write_f32(self.slot_offset(slot)?, rows)
+        let offset = self.slot_offset(slot)?;
+        match self.info.dtype {
+            ArenaDtype::F32 => self.embed.write_f32(offset, rows),
+            ArenaDtype::Bf16 => self.embed.write(offset, &narrow(rows, |v| bf16::from_f32(v).to_bits())),
+            ArenaDtype::F16 => self.embed.write(offset, &narrow(rows, |v| f16::from_f32(v).to_bits())),
+        }
     }
 
     fn slot_offset(&self, slot: u64) -> Result<usize, ShmError> {
@@ -43,7 +47,18 @@ impl ArenaView {
 
     /// Reads whole rows starting at `slot` into `out`.
     pub fn read_rows(&self, slot: u64, out: &mut [f32]) -> Result<(), ShmError> {
-        self.embed.read_f32(self.slot_offset(slot)?, out)
+        let offset = self.slot_offset(slot)?;
+        let to_f32: fn(u16) -> f32 = match self.info.dtype {
+            ArenaDtype::F32 => return self.embed.read_f32(offset, out),
+            ArenaDtype::Bf16 => |b| bf16::from_bits(b).to_f32(),
+            ArenaDtype::F16 => |b| f16::from_bits(b).to_f32(),
+        };
+        let mut bytes = vec![0u8; out.len() * 2];
+        self.embed.read(offset, &mut bytes)?;
+        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+            *o = to_f32(u16::from_ne_bytes([b[0], b[1]]));
+        }
+        Ok(())
     }
 
     /// An item's raw bytes.
@@ -65,4 +80,9 @@ impl ArenaView {
     pub fn write_data(&self, offset: u64, bytes: &[u8]) -> Result<(), ShmError> {
         self.data.write(offset as usize, bytes)
     }
+}
+
+/// f32 values as 2-byte values in native byte order.
+fn narrow(values: &[f32], to_bits: impl Fn(f32) -> u16) -> Vec<u8> {
+    values.iter().flat_map(|&v| to_bits(v).to_ne_bytes()).collect()
 }
