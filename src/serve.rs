@@ -126,6 +126,9 @@ async fn start_all(
     let cache_socket = args.embed_cache_socket.clone().unwrap_or_else(|| paths.socket("embed-cache"));
     let s = |p: &Path| p.to_string_lossy().into_owned();
     let cap = &args.cache;
+    // Refused here, with the model named, rather than by the cache child's flag parser.
+    let embed_dtype: mmserve_protocol::ArenaDtype =
+        dir.config.dtype().parse().map_err(|e| anyhow::anyhow!("{model}: config.json: {e}"))?;
     let mut cache_args = vec![
         "--socket".into(),
         s(&cache_socket),
@@ -134,7 +137,7 @@ async fn start_all(
         "--embed-dim".into(),
         dir.config.lm_hidden_size().to_string(),
         "--embed-dtype".into(),
-        dir.config.dtype().to_string(),
+        embed_dtype.name().into(),
         "--embed-cache-size".into(),
         cap.embed_cache_size.0.to_string(),
         "--embed-cache-data-size".into(),

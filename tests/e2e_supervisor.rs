@@ -59,3 +59,35 @@ fn a_dead_child_is_named_and_serve_exits_non_zero_leaving_nothing() {
     let left = mmserve_shm::list_with_prefix(&format!("mmserve-{pid}-"));
     assert!(left.is_empty(), "shared memory left: {left:?}");
 }
+
+#[test]
+fn a_config_dtype_the_arena_cannot_hold_is_refused_before_any_child_starts() {
+    let dir = std::env::temp_dir().join(format!("mmserve-test-bad-dtype-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(llava_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
+        if name != "config.json" {
+            std::os::unix::fs::symlink(&path, dir.join(name)).unwrap();
+        }
+    }
+    let config = std::fs::read_to_string(llava_dir().join("config.json")).unwrap();
+    std::fs::write(dir.join("config.json"), config.replace("\"float32\"", "\"int8\"")).unwrap();
+
+    let child = Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&dir)
+        .env("MMSERVE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    let out = rx.recv_timeout(Duration::from_secs(60)).expect("serve did not exit").unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("config.json") && err.contains("\"int8\""), "stderr: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

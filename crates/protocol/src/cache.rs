@@ -200,12 +200,13 @@ impl std::fmt::Display for ArenaDtype {
 impl std::str::FromStr for ArenaDtype {
     type Err = String;
 
-    /// Accepts `config.json`'s names and the short ones (`f32`, `bf16`, `f16`).
+    /// Accepts `config.json`'s names and the short ones (`f32`, `bf16`, `f16`, `half`), as
+    /// the model loader does.
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "float32" | "f32" => Ok(ArenaDtype::F32),
             "bfloat16" | "bf16" => Ok(ArenaDtype::Bf16),
-            "float16" | "f16" => Ok(ArenaDtype::F16),
+            "float16" | "f16" | "half" => Ok(ArenaDtype::F16),
             other => Err(format!("unknown dtype {other:?} (float32, bfloat16 or float16)")),
         }
     }

@@ -3,7 +3,8 @@
 //!
 //! Embedding arena: `[slots, layers, hidden]` in the LLM's dtype, row-major; slot `s`
 //! starts at byte `s × layers × hidden × dtype size`. Callers speak f32; the view converts
-//! (round to nearest even on the way in, exact on the way out). Data arena: raw item bytes at the offsets `alloc` returns.
+//! (round to nearest even on the way in, exact on the way out). Data arena: raw item
+//! bytes at the offsets `alloc` returns.
 
 use half::{bf16, f16};
 use mmserve_protocol::{ArenaDtype, ArenaInfo};
