@@ -97,3 +97,28 @@ async fn preemption_completes_every_request_with_the_same_tokens() {
     assert_eq!(status, 400, "{body}");
     server.stop();
 }
+
+#[tokio::test]
+async fn n_choices_share_one_prefill_of_the_prompt() {
+    let server = Server::start(&[]);
+    let mut body = text_request(3, 6);
+    body["n"] = json!(3);
+    body["temperature"] = json!(0.8);
+    body["seed"] = json!(11);
+    let (status, resp) = server.chat(&body).await;
+    assert_eq!(status, 200, "{resp}");
+    let choices = resp["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let prompt = resp["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(server.metric("mmserve_forks_total").await, 2, "choices 1 and 2 fork choice 0");
+    assert_eq!(server.metric("mmserve_prefill_tokens_total").await, prompt, "the prompt is computed once");
+    // Choice i with seed s samples as a request with seed s + i does alone.
+    for (i, choice) in choices.iter().enumerate() {
+        let mut alone = text_request(3, 6);
+        alone["temperature"] = json!(0.8);
+        alone["seed"] = json!(11 + i);
+        assert_eq!(ids(&choice["token_ids"]), token_ids(&server, &alone).await, "choice {i}");
+    }
+    assert_eq!(server.metric_becomes("mmserve_kv_blocks_used", 0).await, 0);
+    server.stop();
+}

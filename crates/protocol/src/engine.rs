@@ -72,6 +72,9 @@ pub struct GenerateRequest {
     /// The cache instance whose arena holds the items' rows.
     pub cache_instance: u64,
     pub params: SamplingParams,
+    /// Choice `i > 0` of a request with `n` choices: the id of choice 0, whose prompt
+    /// (the same ids) it shares. The engine prefills the prompt once and forks it.
+    pub sibling_of: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +123,15 @@ pub struct EngineInfo {
     /// KV blocks held by running sequences, and in the whole pool.
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
+    /// Prompt tokens computed (prefilled, or recomputed after a preemption), since start.
+    pub prefill_tokens: u64,
+    /// Choices that started from a sibling's prefilled prompt (fork), since start.
+    pub forks: u64,
+    /// Model steps since start, and the time spent in them: `schedule_seconds` in the
+    /// scheduler (admission, planning, block reservation), `step_seconds` in all.
+    pub steps: u64,
+    pub schedule_seconds: f64,
+    pub step_seconds: f64,
 }
 
 #[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
@@ -140,7 +152,9 @@ pub enum EngineError {
 #[tarpc::service]
 pub trait Engine {
     async fn info() -> EngineInfo;
-    async fn submit(request: GenerateRequest) -> Result<(), EngineError>;
+    /// One request's choices (`n` of them; choice `i > 0` has `sibling_of` set),
+    /// submitted at once so that they share one prefill of the prompt.
+    async fn submit(choices: Vec<GenerateRequest>) -> Result<(), EngineError>;
     /// Stops a request within one step and frees what it holds; its last event says `Abort`.
     async fn abort(request_id: u64);
     /// Long poll: the events queued for `client`, waiting up to `max_wait_ms` for the

@@ -215,6 +215,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     // `n` choices are sibling engine requests over the same prompt; with a seed, choice
     // i samples with seed + i (so the choices differ and each is reproducible).
     let mut choices = Vec::with_capacity(n);
+    let mut requests = Vec::with_capacity(n);
     for i in 0..n as u64 {
         let id = if i == 0 { request_id } else { state.new_request_id() };
         let mut params = params.clone();
@@ -227,13 +228,15 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
             items: spans.clone(),
             cache_instance,
             params,
+            sibling_of: (i > 0).then_some(request_id),
         };
         // Marked before the call: if this handler is dropped after the engine accepted the
         // request, the guard still aborts it (aborting an unknown id is harmless).
         guard.running.push(id);
         choices.push((id, events));
-        rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), request).await)??;
+        requests.push(request);
     }
+    rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), requests).await)??;
     Ok(Started { guard, choices, prompt_ids, image_tokens })
 }
 

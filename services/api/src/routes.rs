@@ -442,6 +442,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         line("mmserve_preemptions_total", "counter", "Requests preempted for lack of KV blocks.", s.preemptions);
         line("mmserve_kv_blocks_used", "gauge", "KV blocks held by running requests.", s.kv_blocks_used);
         line("mmserve_kv_blocks_total", "gauge", "KV blocks in the pool.", s.kv_blocks_total);
+        line("mmserve_prefill_tokens_total", "counter", "Prompt tokens computed by the engine.", s.prefill_tokens);
+        line("mmserve_forks_total", "counter", "Choices started from a sibling's prompt.", s.forks);
+        line("mmserve_engine_steps_total", "counter", "Model steps of the engine.", s.steps);
+        let mut seconds = |name: &str, help: &str, v: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        seconds("mmserve_engine_schedule_seconds_total", "Time the engine spent scheduling.", s.schedule_seconds);
+        seconds("mmserve_engine_step_seconds_total", "Time the engine spent in steps.", s.step_seconds);
     }
     ([("content-type", "text/plain; version=0.0.4")], out).into_response()
 }

@@ -103,6 +103,47 @@ impl Admission {
     }
 }
 
+/// Output lengths of recently finished requests, for [`Need::new`]'s estimate.
+#[derive(Debug, Clone)]
+pub struct OutputLengths {
+    recent: std::collections::VecDeque<u64>,
+}
+
+impl OutputLengths {
+    /// Requests remembered.
+    const WINDOW: usize = 64;
+    /// Fewer finished than this: no estimate (the full remainder is assumed).
+    const MIN_SAMPLES: usize = 8;
+
+    pub fn new() -> Self {
+        Self { recent: std::collections::VecDeque::with_capacity(Self::WINDOW) }
+    }
+
+    pub fn record(&mut self, output_len: u64) {
+        if self.recent.len() == Self::WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(output_len);
+    }
+
+    /// The 90th percentile of the recent lengths: most requests stop by then, and the
+    /// few that run longer are covered by `1.1·generated` and, at worst, preemption.
+    pub fn estimate(&self) -> Option<u64> {
+        if self.recent.len() < Self::MIN_SAMPLES {
+            return None;
+        }
+        let mut v: Vec<u64> = self.recent.iter().copied().collect();
+        v.sort_unstable();
+        Some(v[(v.len() * 9).div_ceil(10) - 1])
+    }
+}
+
+impl Default for OutputLengths {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The request to preempt when the pool runs out anyway: the most recently admitted
 /// (largest admission order; the last of equals). `None` when nothing runs.
 pub fn choose_victim<K, O: Ord>(running: impl IntoIterator<Item = (K, O)>) -> Option<K> {
@@ -158,6 +199,24 @@ mod tests {
         // Slack counts per request: 3 × (10 + 5) = 45 > 40.
         let adm = Admission { pool_tokens: 40, max_running: 10, slack: 5 };
         assert_eq!(adm.admit(&[n(10, 0)], &[n(10, 0), n(10, 0)]), 1);
+    }
+
+    #[test]
+    fn output_estimate_is_the_recent_p90() {
+        let mut o = OutputLengths::new();
+        for len in 1..=7 {
+            o.record(len);
+        }
+        assert_eq!(o.estimate(), None, "too few samples");
+        for len in 8..=10 {
+            o.record(len);
+        }
+        assert_eq!(o.estimate(), Some(9));
+        // Only the last 64 count: a burst of long outputs replaces the short ones.
+        for _ in 0..64 {
+            o.record(500);
+        }
+        assert_eq!(o.estimate(), Some(500));
     }
 
     #[test]

@@ -11,10 +11,16 @@
 //! its output so far kept); run one [`Llama::forward_paged`]; register full blocks in
 //! the prefix cache; sample, detokenize and publish events for the sequences whose
 //! every token is now computed.
+//!
+//! Choices `1..n` of a request (`sibling_of`) wait parked in choice 0 (the leader)
+//! until its prompt is computed; then each forks the leader's blocks (the partly filled
+//! last block is copied on first write) and samples its first token from the same
+//! logits, so the prompt is prefilled once for all `n`.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use mmserve_models::{Llama, PagedKv, PagedSeq};
@@ -23,7 +29,7 @@ use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
 use mmserve_embed_cache::ArenaView;
 
-use crate::admission::{Admission, Need};
+use crate::admission::{Admission, Need, OutputLengths};
 use crate::inputs::embed_prompt;
 use crate::kv::{BlockCopy, BlockManager, KvError, SeqId};
 use crate::outbox::Outbox;
@@ -31,7 +37,8 @@ use crate::sampler::{History, Rng, adjust, logprobs, sample};
 use crate::stops::StopMatcher;
 
 pub enum Command {
-    Submit(Box<GenerateRequest>),
+    /// One request's choices, in order.
+    Submit(Vec<GenerateRequest>),
     Abort(u64),
     /// The embed cache restarted: read rows from its new arenas from now on.
     Remap(Box<ArenaView>),
@@ -51,6 +58,8 @@ struct Sequence {
     computed: usize,
     /// Admission order: larger is more recent.
     admitted: u64,
+    /// Sibling choices waiting for this sequence's prompt to be computed.
+    followers: Vec<Sequence>,
 }
 
 impl Sequence {
@@ -71,10 +80,16 @@ pub struct Scheduler {
     pub max_running: usize,
     /// Most tokens computed in one step (decodes included; every decode always runs).
     pub chunked_prefill_size: usize,
-    /// The output length admission assumes (`None`: the full `max_tokens`, so the pool
-    /// is never over-committed and preemption never needed).
+    /// The output length admission assumes, set by the operator. `None`: estimated
+    /// from `lengths` while the pool is not busy, else the full `max_tokens` (so a busy
+    /// pool is never over-committed).
     pub expected_output: Option<u64>,
+    /// Output lengths of recently finished requests.
+    pub lengths: OutputLengths,
 }
+
+/// Pool use from which admission stops trusting estimates (LightLLM's "busy").
+const BUSY_RATIO: f64 = 0.85;
 
 pub struct Batcher {
     pub model: Llama,
@@ -114,10 +129,12 @@ impl Batcher {
                     Err(TryRecvError::Disconnected) => return,
                 }
             }
+            let t0 = Instant::now();
             self.admit(&mut waiting, &mut running, &mut order);
+            let admit_time = t0.elapsed();
             self.publish(&running, &waiting);
             if !running.is_empty() {
-                self.step(&mut running, &mut waiting);
+                self.step(&mut running, &mut waiting, &mut order, admit_time);
             }
             self.publish(&running, &waiting);
         }
@@ -129,10 +146,34 @@ impl Batcher {
         self.counts.set_kv(b.stats().hit_tokens, b.num_used_blocks(), b.num_blocks());
     }
 
-    fn need(&self, seq: &Sequence) -> Need {
+    /// The output length admission may assume now (see [`Scheduler::expected_output`]).
+    fn expected_output(&self) -> Option<u64> {
+        let b = &self.sched.blocks;
+        let busy = b.num_used_blocks() as f64 >= BUSY_RATIO * b.num_blocks() as f64;
+        self.sched.expected_output.or_else(|| if busy { None } else { self.sched.lengths.estimate() })
+    }
+
+    fn need(&self, seq: &Sequence, expected: Option<u64>) -> Need {
         let p = &seq.req.params;
         let (prompt, generated) = (seq.req.prompt_ids.len() as u64, seq.output.len() as u64);
-        Need::new(prompt, generated, u64::from(p.max_tokens), self.sched.expected_output)
+        // `ignore_eos` runs to `max_tokens`: the learned estimate does not apply (the
+        // operator's fixed one does, as documented on the flag).
+        let expected = if p.ignore_eos && self.sched.expected_output.is_none() { None } else { expected };
+        Need::new(prompt, generated, u64::from(p.max_tokens), expected)
+    }
+
+    /// A parked follower shares the prompt's blocks and holds one of its own (the copy
+    /// of the partly filled last block).
+    fn follower_need(&self, f: &Sequence, expected: Option<u64>, block: u64) -> Need {
+        Need { held: block, remaining: self.need(f, expected).remaining }
+    }
+
+    /// The needs of a waiting sequence and its parked followers.
+    fn group_needs(&self, seq: &Sequence, expected: Option<u64>) -> Vec<Need> {
+        let mut needs = vec![self.need(seq, expected)];
+        let block = self.sched.blocks.block_size() as u64;
+        needs.extend(seq.followers.iter().map(|f| self.follower_need(f, expected, block)));
+        needs
     }
 
     /// Admits waiting requests (FCFS) while the batch fits the pool.
@@ -140,21 +181,37 @@ impl Batcher {
         if waiting.is_empty() || running.len() >= self.sched.max_running {
             return;
         }
-        let admission = Admission {
-            pool_tokens: self.sched.blocks.pool_tokens() as u64,
-            max_running: self.sched.max_running,
-            slack: self.sched.blocks.block_size() as u64 - 1,
-        };
-        let held: Vec<Need> = running.iter().map(|s| self.need(s)).collect();
+        let admission = self.admission();
+        let expected = self.expected_output();
+        let held: Vec<Need> = running.iter().map(|s| self.need(s, expected)).collect();
         let room = self.sched.max_running - running.len();
-        let wanted: Vec<Need> = waiting.iter().take(room).map(|s| self.need(s)).collect();
-        let k = admission.admit(&held, &wanted);
-        if k == 0 && running.is_empty() {
-            // Alone it does not fit: it never will (submit checks this; belt and braces).
-            if let Some(seq) = waiting.pop_front() {
-                let reason = FinishReason::Error("the request needs more KV cache than --kv-cache-memory holds".into());
-                self.outbox.push(seq.req.client, [finish_event(seq.req.id, reason)]);
+        // Groups (a sequence and its followers) are admitted whole.
+        let mut wanted: Vec<Need> = Vec::new();
+        let mut group_ends: Vec<usize> = Vec::new();
+        for seq in waiting.iter() {
+            if wanted.len() >= room {
+                break;
             }
+            wanted.extend(self.group_needs(seq, expected));
+            group_ends.push(wanted.len());
+        }
+        let admitted = admission.admit(&held, &wanted);
+        let k = group_ends.iter().take_while(|&&end| end <= admitted).count();
+        if k == 0 && running.is_empty() {
+            let Some(mut seq) = waiting.pop_front() else { return };
+            if !seq.followers.is_empty() {
+                // The group does not fit at once: its choices run one after another,
+                // sharing the prompt's full blocks through the prefix cache.
+                let followers = std::mem::take(&mut seq.followers);
+                for f in followers.into_iter().rev() {
+                    waiting.push_front(f);
+                }
+                waiting.push_front(seq);
+                return self.admit(waiting, running, order);
+            }
+            // Alone it does not fit: it never will (submit checks this; belt and braces).
+            let reason = FinishReason::Error("the request needs more KV cache than --kv-cache-memory holds".into());
+            self.outbox.push(seq.req.client, [finish_event(seq.req.id, reason)]);
             return;
         }
         for mut seq in waiting.drain(..k) {
@@ -178,13 +235,19 @@ impl Batcher {
 
     fn apply(&mut self, cmd: Command, waiting: &mut VecDeque<Sequence>, running: &mut Vec<Sequence>) {
         match cmd {
-            Command::Submit(req) => {
-                // Submitted against arenas that a Remap has since replaced: cannot run.
-                if !req.items.is_empty() && req.cache_instance != self.arena.info.instance {
-                    let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
-                    self.outbox.push(req.client, [finish_event(req.id, reason)]);
-                } else {
-                    waiting.push_back(self.new_sequence(*req));
+            Command::Submit(choices) => {
+                for req in choices {
+                    // Submitted against arenas that a Remap has since replaced: cannot run.
+                    if !req.items.is_empty() && req.cache_instance != self.arena.info.instance {
+                        let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
+                        self.outbox.push(req.client, [finish_event(req.id, reason)]);
+                        continue;
+                    }
+                    let seq = self.new_sequence(req);
+                    match seq.req.sibling_of.and_then(|id| leader_for(&seq, id, waiting, running)) {
+                        Some(leader) => leader.followers.push(seq),
+                        None => waiting.push_back(seq),
+                    }
                 }
             }
             Command::Remap(view) => {
@@ -202,24 +265,40 @@ impl Batcher {
                 let (keep, old): (Vec<_>, Vec<_>) = std::mem::take(running).into_iter().partition(|s| !stale(s));
                 *running = keep;
                 gone.extend(old);
-                for mut seq in gone {
-                    self.release(&mut seq);
-                    let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
-                    self.outbox.push(seq.req.client, [finish_event(seq.req.id, reason)]);
+                for seq in gone {
+                    self.retire(seq, FinishReason::Retry("the embed cache restarted; retry the request".into()));
                 }
             }
             Command::Abort(id) => {
                 let seq = if let Some(pos) = waiting.iter().position(|s| s.req.id == id) {
                     waiting.remove(pos)
+                } else if let Some(pos) = running.iter().position(|s| s.req.id == id) {
+                    Some(running.remove(pos))
                 } else {
-                    running.iter().position(|s| s.req.id == id).map(|pos| running.remove(pos))
+                    // A parked follower holds nothing yet.
+                    waiting.iter_mut().chain(running.iter_mut()).find_map(|l| {
+                        let pos = l.followers.iter().position(|f| f.req.id == id)?;
+                        Some(l.followers.remove(pos))
+                    })
                 };
                 if let Some(mut seq) = seq {
-                    self.release(&mut seq);
-                    self.outbox.push(seq.req.client, [finish_event(id, FinishReason::Abort)]);
+                    // The leader's followers go on without it, as requests of their own.
+                    for f in std::mem::take(&mut seq.followers).into_iter().rev() {
+                        waiting.push_front(f);
+                    }
+                    self.retire(seq, FinishReason::Abort);
                 }
             }
         }
+    }
+
+    /// Frees `seq`'s blocks and finishes it and its followers with `reason`.
+    fn retire(&mut self, mut seq: Sequence, reason: FinishReason) {
+        self.release(&mut seq);
+        for f in std::mem::take(&mut seq.followers) {
+            self.outbox.push(f.req.client, [finish_event(f.req.id, reason.clone())]);
+        }
+        self.outbox.push(seq.req.client, [finish_event(seq.req.id, reason)]);
     }
 
     fn new_sequence(&self, req: GenerateRequest) -> Sequence {
@@ -235,6 +314,7 @@ impl Batcher {
             kv: None,
             computed: 0,
             admitted: 0,
+            followers: Vec::new(),
             req,
         }
     }
@@ -301,24 +381,36 @@ impl Batcher {
     }
 
     /// One forward over the planned sequences, then sampling and events.
-    fn step(&mut self, running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>) {
+    fn step(
+        &mut self,
+        running: &mut Vec<Sequence>,
+        waiting: &mut VecDeque<Sequence>,
+        order: &mut u64,
+        admit_time: Duration,
+    ) {
+        let t0 = Instant::now();
         let plan = self.plan(running, waiting);
+        let schedule_time = admit_time + t0.elapsed();
         if plan.is_empty() {
             return;
         }
+        let prefill: usize = plan
+            .iter()
+            .map(|p| p.n.min(running[p.index].req.prompt_ids.len().saturating_sub(running[p.index].computed)))
+            .sum();
         let logits = match self.forward(running, &plan) {
             Ok(l) => l,
             Err(message) => {
                 tracing::error!("forward step failed: {message}");
-                for mut seq in running.drain(..) {
-                    self.release(&mut seq);
-                    self.outbox.push(seq.req.client, [finish_event(seq.req.id, FinishReason::Error(message.clone()))]);
+                for seq in std::mem::take(running) {
+                    self.retire(seq, FinishReason::Error(message.clone()));
                 }
                 return;
             }
         };
         let mut finished = Vec::new();
-        for (planned, mut row) in plan.iter().zip(logits) {
+        let mut forked = Vec::new();
+        for (planned, row) in plan.iter().zip(logits) {
             let seq = &mut running[planned.index];
             seq.computed += planned.n;
             if let Some(id) = seq.kv
@@ -329,50 +421,108 @@ impl Batcher {
             if seq.computed < seq.len() {
                 continue; // a prefill chunk short of the prompt's end
             }
-            let p = &seq.req.params;
-            let mut stop_ids: Vec<u32> = p.stop_token_ids.clone();
-            if !p.ignore_eos {
-                stop_ids.extend_from_slice(self.tokenizer.eos_ids());
-            }
-            let raw = p.logprobs.map(|_| row.clone());
-            adjust(&mut row, p, &seq.history, &stop_ids);
-            let token = sample(&row, p, &mut seq.rng);
-            let lps = raw.map(|raw| logprobs(&raw, token, usize::from(p.logprobs.unwrap_or(0).min(20))));
-            seq.output.push(token);
-            seq.history.push(token);
-            let mut finish = if stop_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if seq.output.len() >= p.max_tokens as usize {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            let decoded = seq.decoder.push(&self.tokenizer, token);
-            let matched = seq.stops.push(&decoded);
-            let mut text = matched.text;
-            if matched.stopped {
-                finish = Some(FinishReason::Stop);
-            } else if finish.is_some() {
-                let tail = seq.decoder.finish(&self.tokenizer);
-                let tail = seq.stops.push(&tail);
-                text.push_str(&tail.text);
-                if tail.stopped {
-                    finish = Some(FinishReason::Stop);
+            // The prompt is computed: parked siblings start from it, before the leader's
+            // first token is written into the shared last block, as far as admission
+            // allows (they may have arrived after the leader was admitted); the others
+            // wait at the front, to reuse its full blocks through the prefix cache.
+            let followers = std::mem::take(&mut seq.followers);
+            let (leader_kv, computed) = (seq.kv, seq.computed);
+            let admissible = self.admissible_followers(running, &forked, &followers);
+            let mut followers = followers.into_iter();
+            for mut f in followers.by_ref().take(admissible) {
+                let Some(kv) = leader_kv.and_then(|id| self.sched.blocks.fork(id).ok()) else {
+                    waiting.push_front(f);
+                    continue;
+                };
+                f.kv = Some(kv);
+                f.computed = computed;
+                *order += 1;
+                f.admitted = *order;
+                self.counts.forked();
+                if !self.emit(&mut f, row.clone()) {
+                    forked.push(f);
                 } else {
-                    text.push_str(&seq.stops.finish());
+                    self.release(&mut f);
                 }
             }
-            if finish.is_some() {
+            for f in followers.rev() {
+                waiting.push_front(f);
+            }
+            let seq = &mut running[planned.index];
+            if self.emit(seq, row) {
                 finished.push(planned.index);
             }
-            let event = OutputEvent { request_id: seq.req.id, token_id: Some(token), logprobs: lps, text, finish };
-            self.outbox.push(seq.req.client, [event]);
         }
         finished.sort_unstable();
         for i in finished.into_iter().rev() {
             let mut seq = running.remove(i);
             self.release(&mut seq);
         }
+        running.extend(forked);
+        self.counts.stepped(prefill, schedule_time, t0.elapsed() + admit_time);
+    }
+
+    /// How many of `followers` (in order) may fork now beside `running` and `forked`.
+    fn admissible_followers(&self, running: &[Sequence], forked: &[Sequence], followers: &[Sequence]) -> usize {
+        let expected = self.expected_output();
+        let held: Vec<Need> = running.iter().chain(forked).map(|s| self.need(s, expected)).collect();
+        let block = self.sched.blocks.block_size() as u64;
+        let wanted: Vec<Need> = followers.iter().map(|f| self.follower_need(f, expected, block)).collect();
+        self.admission().admit(&held, &wanted)
+    }
+
+    fn admission(&self) -> Admission {
+        Admission {
+            pool_tokens: self.sched.blocks.pool_tokens() as u64,
+            max_running: self.sched.max_running,
+            slack: self.sched.blocks.block_size() as u64 - 1,
+        }
+    }
+
+    /// Samples `seq`'s next token from `row` (its last position's logits), detokenizes,
+    /// matches stop strings and publishes the event. Returns whether `seq` finished.
+    fn emit(&mut self, seq: &mut Sequence, mut row: Vec<f32>) -> bool {
+        let p = &seq.req.params;
+        let mut stop_ids: Vec<u32> = p.stop_token_ids.clone();
+        if !p.ignore_eos {
+            stop_ids.extend_from_slice(self.tokenizer.eos_ids());
+        }
+        let raw = p.logprobs.map(|_| row.clone());
+        adjust(&mut row, p, &seq.history, &stop_ids);
+        let token = sample(&row, p, &mut seq.rng);
+        let lps = raw.map(|raw| logprobs(&raw, token, usize::from(p.logprobs.unwrap_or(0).min(20))));
+        seq.output.push(token);
+        seq.history.push(token);
+        let mut finish = if stop_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if seq.output.len() >= p.max_tokens as usize {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        let decoded = seq.decoder.push(&self.tokenizer, token);
+        let matched = seq.stops.push(&decoded);
+        let mut text = matched.text;
+        if matched.stopped {
+            finish = Some(FinishReason::Stop);
+        } else if finish.is_some() {
+            let tail = seq.decoder.finish(&self.tokenizer);
+            let tail = seq.stops.push(&tail);
+            text.push_str(&tail.text);
+            if tail.stopped {
+                finish = Some(FinishReason::Stop);
+            } else {
+                text.push_str(&seq.stops.finish());
+            }
+        }
+        let done = finish.is_some();
+        // `ignore_eos` lengths say nothing about where outputs end by themselves.
+        if done && !p.ignore_eos {
+            self.sched.lengths.record(seq.output.len() as u64);
+        }
+        let event = OutputEvent { request_id: seq.req.id, token_id: Some(token), logprobs: lps, text, finish };
+        self.outbox.push(seq.req.client, [event]);
+        done
     }
 
     /// Input rows of positions `from..to` of `seq` (prompt rows, then output tokens).
@@ -417,6 +567,23 @@ impl Batcher {
         logits.to_vec2::<f32>().map_err(|e| e.to_string())
     }
 }
+
+/// The sequence that a sibling choice of request `leader` may wait in: choice 0 with
+/// the same prompt, not yet past its prompt.
+fn leader_for<'a>(
+    seq: &Sequence,
+    leader: u64,
+    waiting: &'a mut VecDeque<Sequence>,
+    running: &'a mut [Sequence],
+) -> Option<&'a mut Sequence> {
+    waiting
+        .iter_mut()
+        .chain(running.iter_mut())
+        .find(|l| l.req.id == leader && l.output.is_empty() && l.req.prompt_ids == seq.req.prompt_ids)
+}
+
+#[cfg(test)]
+mod tests;
 
 fn finish_event(request_id: u64, reason: FinishReason) -> OutputEvent {
     OutputEvent { request_id, token_id: None, logprobs: None, text: String::new(), finish: Some(reason) }

@@ -56,6 +56,8 @@ pub struct KvArgs {
     pub no_prefix_cache: bool,
     /// Output length (tokens) that admission assumes per request instead of its full
     /// `max_tokens`: admits more at once, preempting when the pool runs out anyway.
+    /// Unset: the 90th percentile of recently finished requests' lengths while the pool
+    /// is less than 85% used, the full `max_tokens` when it is busier.
     #[arg(long, env = "MMSERVE_EXPECTED_OUTPUT_TOKENS")]
     pub expected_output_tokens: Option<u64>,
 }

@@ -22,6 +22,12 @@ impl Outbox {
         self.notify.notify_waiters();
     }
 
+    /// Everything queued for `client` now.
+    pub fn drain(&self, client: u64) -> Vec<OutputEvent> {
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        queues.get_mut(&client).map(|q| q.drain(..).collect()).unwrap_or_default()
+    }
+
     /// Everything queued for `client`, waiting up to `max_wait` for the first event.
     pub async fn take(&self, client: u64, max_wait: Duration) -> Vec<OutputEvent> {
         let deadline = tokio::time::Instant::now() + max_wait;
@@ -29,11 +35,9 @@ impl Outbox {
             let notified = self.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            {
-                let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(q) = queues.get_mut(&client).filter(|q| !q.is_empty()) {
-                    return q.drain(..).collect();
-                }
+            let events = self.drain(client);
+            if !events.is_empty() {
+                return events;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Vec::new();

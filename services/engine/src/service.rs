@@ -22,12 +22,17 @@ use crate::{EngineArgs, EngineServiceError};
 /// Queue sizes, published by the model thread for `info`.
 #[derive(Default)]
 pub struct Counts {
-    running: AtomicU64,
-    waiting: AtomicU64,
-    prefix_hit_tokens: AtomicU64,
-    preemptions: AtomicU64,
-    blocks_used: AtomicU64,
-    blocks_total: AtomicU64,
+    pub(crate) running: AtomicU64,
+    pub(crate) waiting: AtomicU64,
+    pub(crate) prefix_hit_tokens: AtomicU64,
+    pub(crate) preemptions: AtomicU64,
+    pub(crate) blocks_used: AtomicU64,
+    pub(crate) blocks_total: AtomicU64,
+    pub(crate) prefill_tokens: AtomicU64,
+    pub(crate) forks: AtomicU64,
+    pub(crate) steps: AtomicU64,
+    pub(crate) schedule_ns: AtomicU64,
+    pub(crate) step_ns: AtomicU64,
 }
 
 impl Counts {
@@ -44,6 +49,18 @@ impl Counts {
 
     pub fn preempted(&self) {
         self.preemptions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn forked(&self) {
+        self.forks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One model step: `prefill` prompt tokens computed, time in the scheduler and in all.
+    pub fn stepped(&self, prefill: usize, schedule: Duration, step: Duration) {
+        self.prefill_tokens.fetch_add(prefill as u64, Ordering::Relaxed);
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.schedule_ns.fetch_add(schedule.as_nanos() as u64, Ordering::Relaxed);
+        self.step_ns.fetch_add(step.as_nanos() as u64, Ordering::Relaxed);
     }
 }
 
@@ -106,6 +123,7 @@ impl EngineService {
                 max_running: args.max_running_requests.max(1),
                 chunked_prefill_size: kv.chunked_prefill_size.max(1),
                 expected_output: kv.expected_output_tokens,
+                lengths: Default::default(),
             },
             counts: counts.clone(),
         };
@@ -175,25 +193,36 @@ impl Engine for EngineService {
             preemptions: self.counts.preemptions.load(Ordering::Relaxed),
             kv_blocks_used: self.counts.blocks_used.load(Ordering::Relaxed),
             kv_blocks_total: self.counts.blocks_total.load(Ordering::Relaxed),
+            prefill_tokens: self.counts.prefill_tokens.load(Ordering::Relaxed),
+            forks: self.counts.forks.load(Ordering::Relaxed),
+            steps: self.counts.steps.load(Ordering::Relaxed),
+            schedule_seconds: self.counts.schedule_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            step_seconds: self.counts.step_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 
-    async fn submit(self, _: Context, request: GenerateRequest) -> Result<(), EngineError> {
-        // A text-only request reads no arena.
-        let slots = match request.items.is_empty() {
-            true => 0,
-            false => self.arena_for(request.cache_instance).await?.slots,
-        };
-        validate(&request, self.vocab, slots, self.max_len)?;
-        // Alone in the pool, with its last block partly empty: what can never fit is refused.
-        let need = request.prompt_ids.len() as u64 + u64::from(request.params.max_tokens) + self.block_size as u64 - 1;
-        if need > self.pool_tokens as u64 {
-            return Err(EngineError::Invalid(format!(
-                "the prompt and max_tokens need {need} KV token slots; the pool (--kv-cache-memory) holds {}",
-                self.pool_tokens
-            )));
+    async fn submit(self, _: Context, choices: Vec<GenerateRequest>) -> Result<(), EngineError> {
+        if choices.is_empty() {
+            return Err(EngineError::Invalid("no choices to run".into()));
         }
-        self.send(Command::Submit(Box::new(request)))
+        for request in &choices {
+            // A text-only request reads no arena.
+            let slots = match request.items.is_empty() {
+                true => 0,
+                false => self.arena_for(request.cache_instance).await?.slots,
+            };
+            validate(request, self.vocab, slots, self.max_len)?;
+            // Alone in the pool, with its last block partly empty: what can never fit is refused.
+            let need =
+                request.prompt_ids.len() as u64 + u64::from(request.params.max_tokens) + self.block_size as u64 - 1;
+            if need > self.pool_tokens as u64 {
+                return Err(EngineError::Invalid(format!(
+                    "the prompt and max_tokens need {need} KV token slots; the pool (--kv-cache-memory) holds {}",
+                    self.pool_tokens
+                )));
+            }
+        }
+        self.send(Command::Submit(choices))
     }
 
     async fn abort(self, _: Context, request_id: u64) {
