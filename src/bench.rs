@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use mmserve_protocol::cache::Allocation;
+use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{AllocItem, EmbedCacheClient, ItemDigest, Modality, deadline, transport};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -19,6 +21,8 @@ pub enum Bench {
     Cache(CacheBench),
     /// Decoding and preprocessing, one thread, per file.
     Preprocess(PreprocessBench),
+    /// The serving engine through `mmserve serve`: throughput, scheduler time, TTFT.
+    Engine(crate::bench_engine::EngineBench),
 }
 
 #[derive(Debug, clap::Args)]
@@ -62,12 +66,49 @@ pub struct CacheBench {
     /// Print JSON lines instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Call the service one request at a time (`alloc`, `release`, ... each its own
+    /// message) instead of through the api's coalescing client.
+    #[arg(long)]
+    pub direct: bool,
+}
+
+/// A client connection as the bench uses it: plain calls, or the api's coalescing client.
+#[derive(Clone)]
+enum Link {
+    Direct(EmbedCacheClient),
+    Coalesced(Arc<CacheConnection>),
+}
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Link {
+    async fn alloc(&self, items: Vec<AllocItem>) -> Option<Allocation> {
+        match self {
+            Link::Direct(c) => c.alloc(deadline(CALL_TIMEOUT), items, 1000).await.ok()?.ok(),
+            Link::Coalesced(c) => c.alloc(items, Duration::from_secs(1), CALL_TIMEOUT).await.ok()?.ok(),
+        }
+    }
+
+    async fn set_items_data(&self, ids: Vec<u64>) {
+        let _ = match self {
+            Link::Direct(c) => c.set_items_data(deadline(CALL_TIMEOUT), ids).await.map(drop),
+            Link::Coalesced(c) => Ok(drop(c.set_items_data(ids).await)),
+        };
+    }
+
+    async fn release(&self, ids: Vec<u64>) {
+        let _ = match self {
+            Link::Direct(c) => c.release(deadline(CALL_TIMEOUT), ids).await.map(drop),
+            Link::Coalesced(c) => Ok(drop(c.release(ids).await)),
+        };
+    }
 }
 
 pub async fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::Cache(b) => cache(b).await,
         Bench::Preprocess(b) => preprocess(b),
+        Bench::Engine(b) => crate::bench_engine::run(b).await,
     }
 }
 
@@ -174,9 +215,13 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
             (Some(own), s)
         }
     };
+    let direct = b.direct;
     let connect = || async {
-        let t = transport::connect(&socket, Duration::from_secs(5)).await?;
-        anyhow::Ok(EmbedCacheClient::new(Default::default(), t).spawn())
+        if direct {
+            let t = transport::connect(&socket, Duration::from_secs(5)).await?;
+            return anyhow::Ok(Link::Direct(EmbedCacheClient::new(Default::default(), t).spawn()));
+        }
+        anyhow::Ok(Link::Coalesced(Arc::new(CacheConnection::connect(&socket, Duration::from_secs(5)).await?)))
     };
     // The hot set every client draws its hits from, made resident once.
     let hot: Arc<Vec<ItemDigest>> =
@@ -184,10 +229,10 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
     let warm = connect().await?;
     for chunk in hot.chunks(32) {
         let items: Vec<AllocItem> = chunk.iter().map(|d| item(*d, b.tokens)).collect();
-        let a = warm.alloc(deadline(Duration::from_secs(10)), items, 1000).await??;
+        let a = warm.alloc(items).await.context("warming the hot set")?;
         let ids: Vec<u64> = a.records.iter().map(|r| r.id).collect();
-        warm.set_items_data(deadline(Duration::from_secs(10)), ids.clone()).await??;
-        warm.release(deadline(Duration::from_secs(10)), ids).await??;
+        warm.set_items_data(ids.clone()).await;
+        warm.release(ids).await;
     }
     let fresh = Arc::new(AtomicU64::new(0));
     if !b.json {
@@ -196,8 +241,9 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
         } else {
             format!("{} shared connections", b.connections)
         };
+        let how = if b.direct { "one message per call" } else { "the api's coalescing client" };
         println!(
-            "embed-cache alloc (+ set_items_data for misses) + release over a Unix socket, {conns}, {:.0}% hits, {} rows per item",
+            "embed-cache alloc (+ set_items_data for misses) + release over a Unix socket, {conns}, {how}, {:.0}% hits, {} rows per item",
             b.hit_ratio * 100.0,
             b.tokens
         );
@@ -210,7 +256,7 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
         for &k in &b.items {
             let conns = if b.connections == 0 { n } else { b.connections.min(n) };
             let links = futures::future::try_join_all((0..conns).map(|_| connect())).await?;
-            let clients: Vec<EmbedCacheClient> = (0..n).map(|c| links[c % conns].clone()).collect();
+            let clients: Vec<Link> = (0..n).map(|c| links[c % conns].clone()).collect();
             let stop = Arc::new(AtomicBool::new(false));
             let start = Instant::now();
             let tasks: Vec<_> = clients
@@ -238,9 +284,9 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
                                 })
                                 .collect();
                             let t0 = Instant::now();
-                            let r = client.alloc(deadline(Duration::from_secs(10)), items, 1000).await;
+                            let r = client.alloc(items).await;
                             let us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
-                            let Ok(Ok(a)) = r else {
+                            let Some(a) = r else {
                                 out.failures += 1;
                                 continue;
                             };
@@ -248,10 +294,10 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
                             out.items += k as u64;
                             let writers: Vec<u64> = a.records.iter().filter(|r| r.write_data).map(|r| r.id).collect();
                             if !writers.is_empty() {
-                                let _ = client.set_items_data(deadline(Duration::from_secs(10)), writers).await;
+                                client.set_items_data(writers).await;
                             }
                             let ids = a.records.iter().map(|r| r.id).collect();
-                            let _ = client.release(deadline(Duration::from_secs(10)), ids).await;
+                            client.release(ids).await;
                         }
                         out
                     })

@@ -4,6 +4,7 @@
 //! same binary run with the service's subcommand (usable on its own, too).
 
 mod bench;
+mod bench_engine;
 mod cache_cli;
 mod preprocess;
 mod serve;

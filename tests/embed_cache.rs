@@ -300,6 +300,8 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     assert_eq!(mmserve_shm::list_with_prefix(&format!("{first}.")).len(), 3, "arena, data and owner file left behind");
     let err = conn.call(|c| async move { c.stats(deadline(Duration::from_secs(2))).await }).await;
     assert!(err.is_err(), "a call to a dead cache fails rather than hangs");
+    let ids: Vec<u64> = held.records.iter().map(|r| r.id).collect();
+    assert!(conn.release(ids).await.is_err(), "a coalesced call to a dead cache fails too");
 
     let cache = CacheProc::start(&socket, &second, 100, 100, None);
     assert!(mmserve_shm::list_with_prefix(&format!("{first}.")).is_empty(), "the dead instance's segments were swept");
@@ -308,6 +310,84 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     assert_ne!(a1.instance, a2.instance);
     let stats = conn.call(|c| async move { c.stats(deadline(T)).await }).await.unwrap();
     assert_eq!((stats.items, stats.references), (0, 0), "a new instance starts empty");
+    let again = conn.alloc(vec![item(1, 10)], Duration::ZERO, T).await.expect("coalesced calls reconnect too");
+    assert_eq!(again.unwrap().instance, a2.instance);
     drop(conn);
+    cache.stop();
+}
+
+#[tokio::test]
+async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
+    use mmserve_protocol::cache::{CacheOp, CacheOpResult};
+    let dir = temp_dir("batch");
+    let socket = dir.join("c.sock");
+    let cache = CacheProc::start(&socket, &format!("mmserve-test-batch-{}", std::process::id()), 100, 100, None);
+    let (a, b) = (cache.client().await, cache.client().await);
+    let run = |ops: Vec<CacheOp>| {
+        let a = a.clone();
+        async move { a.batch(deadline(T), ops).await.unwrap() }
+    };
+    // Decided in order: two fit, the third would wait, and the fourth (which would fit)
+    // must not overtake it.
+    let r = run(vec![
+        CacheOp::Alloc(vec![item(1, 30)]),
+        CacheOp::Alloc(vec![item(2, 30)]),
+        CacheOp::Alloc(vec![item(3, 30), item(4, 30)]),
+        CacheOp::Alloc(vec![item(5, 5)]),
+    ])
+    .await;
+    let ids: Vec<u64> = r[..2]
+        .iter()
+        .map(|r| match r {
+            CacheOpResult::Allocated(a) => a.records[0].id,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(matches!(r[2], CacheOpResult::MustWait), "{:?}", r[2]);
+    assert!(matches!(r[3], CacheOpResult::MustWait), "{:?}", r[3]);
+    assert_eq!(a.stats(deadline(T)).await.unwrap().references, 2, "nothing held for the ones told to wait");
+    // Someone waits in line: a coalesced alloc that would fit still waits behind it.
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move { alloc(&b, vec![item(6, 60)], 10_000).await }
+    });
+    while a.stats(deadline(T)).await.unwrap().waiting == 0 {
+        tokio::task::yield_now().await;
+    }
+    assert!(matches!(run(vec![CacheOp::Alloc(vec![item(7, 5)])]).await[0], CacheOpResult::MustWait));
+    // Errors are per operation; a release hands the room to the line first.
+    let r = run(vec![
+        CacheOp::Release(vec![u64::MAX]),
+        CacheOp::SetData(ids.clone()),
+        CacheOp::Release(ids),
+        CacheOp::Alloc(vec![item(8, 101)]),
+    ])
+    .await;
+    assert!(matches!(r[0], CacheOpResult::Failed(CacheError::UnknownItem(_))), "{:?}", r[0]);
+    assert!(matches!(r[1], CacheOpResult::Done), "{:?}", r[1]);
+    assert!(matches!(r[2], CacheOpResult::Done), "{:?}", r[2]);
+    assert!(matches!(r[3], CacheOpResult::Failed(CacheError::TooLarge { .. })), "{:?}", r[3]);
+    let held = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
+    release(&b, held).await;
+
+    // Through the api's client: many concurrent requests on one connection, all
+    // granted, every reference given back.
+    let conn = std::sync::Arc::new(mmserve_protocol::reconnect::CacheConnection::connect(&socket, T).await.unwrap());
+    let tasks = (0..64u32).map(|i| {
+        let conn = conn.clone();
+        async move {
+            for round in 0..20u32 {
+                let items = vec![item(100 + (i * 7 + round) % 40, 1), item(1000 + i * 100 + round, 1)];
+                let a = conn.alloc(items, Duration::from_secs(10), T).await.unwrap().unwrap();
+                let writers: Vec<u64> = a.records.iter().filter(|r| r.write_data).map(|r| r.id).collect();
+                conn.set_items_data(writers).await.unwrap().unwrap();
+                conn.release(a.records.iter().map(|r| r.id).collect()).await.unwrap().unwrap();
+            }
+        }
+    });
+    futures::future::join_all(tasks).await;
+    let stats = a.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.references, stats.waiting), (0, 0));
+    drop((a, b, conn));
     cache.stop();
 }

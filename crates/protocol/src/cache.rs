@@ -254,6 +254,24 @@ pub enum CacheError {
     Timeout(u64),
 }
 
+/// One operation of an [`EmbedCache::batch`] call.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum CacheOp {
+    /// As [`EmbedCache::alloc`] without waiting: granted now, refused, or [`CacheOpResult::MustWait`].
+    Alloc(Vec<AllocItem>),
+    Release(Vec<u64>),
+    SetData(Vec<u64>),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum CacheOpResult {
+    Allocated(Allocation),
+    Done,
+    Failed(CacheError),
+    /// The alloc would have to wait in line: call [`EmbedCache::alloc`] with a wait.
+    MustWait,
+}
+
 #[tarpc::service]
 pub trait EmbedCache {
     /// All-or-nothing: a record (new or existing) and one reference for every item, or
@@ -263,6 +281,9 @@ pub trait EmbedCache {
     async fn alloc(items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError>;
     /// Drops one reference per id (ids may repeat) held by this connection.
     async fn release(ids: Vec<u64>) -> Result<(), CacheError>;
+    /// Several requests' operations in one call, decided in order under one lock pass
+    /// (an api process coalesces what its concurrent requests ask for meanwhile).
+    async fn batch(ops: Vec<CacheOp>) -> Vec<CacheOpResult>;
     async fn set_items_data(ids: Vec<u64>) -> Result<(), CacheError>;
     async fn get_items_data(ids: Vec<u64>) -> Result<Vec<bool>, CacheError>;
     /// Resolves when every item's raw data is written, or fails after `timeout_ms`.

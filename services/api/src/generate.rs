@@ -54,7 +54,7 @@ impl Drop for RequestGuard {
             if !ids.is_empty() {
                 // If the cache restarted (or our connection broke), it dropped these
                 // references itself when the connection closed.
-                match state.cache.call(|c| async move { c.release(deadline(t), ids).await }).await {
+                match state.cache.release(ids).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::warn!("releasing cache items: {e}"),
                     Err(e) => tracing::warn!("releasing cache items: {e}"),
@@ -265,8 +265,7 @@ async fn reserve(
     // The cache decides every alloc under one lock, across all api processes: a request
     // gets all its items or none (waiting in line, holding nothing, when full), so two
     // requests never hold parts of the capacity while waiting on each other.
-    let wait_ms = wait.as_millis() as u64;
-    let granted = state.cache.call(|c| async move { c.alloc(deadline(wait + t), alloc, wait_ms).await }).await??;
+    let granted = state.cache.alloc(alloc, wait, t).await??;
     guard.cache_ids = granted.records.iter().map(|r| r.id).collect();
     let (instance, records) = (granted.instance, granted.records);
 
@@ -279,7 +278,7 @@ async fn reserve(
         }
     }
     if !written.is_empty() {
-        state.cache.call(|c| async move { c.set_items_data(deadline(t), written).await }).await??;
+        state.cache.set_items_data(written).await??;
     }
 
     let mut missing: Vec<EncodeItem> = Vec::new();

@@ -244,6 +244,13 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
     let local: SocketAddr = listener.local_addr().map_err(|source| ApiServiceError::Listen { addr, source })?;
     mmserve_protocol::ready::announce_with("api", &format!("http://{local}"));
     let app = routes::router(state, args.media.max_body_bytes);
+    // Tokens stream as small writes: without TCP_NODELAY, Nagle holds each behind the
+    // client's delayed ACK of the last one (40 ms stalls between events).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

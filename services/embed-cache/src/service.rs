@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures::StreamExt;
-use mmserve_protocol::cache::Allocation;
+use mmserve_protocol::cache::{Allocation, CacheOp, CacheOpResult};
 use mmserve_protocol::{AllocItem, ArenaInfo, CacheError, CacheStats, EmbedCache, ItemRecord};
 use mmserve_shm::{InstanceLock, Segment};
 use tarpc::context::Context;
@@ -315,6 +315,55 @@ impl EmbedCache for CacheService {
         // Records may have gone or been abandoned: waiters for their data re-check.
         self.shared.data_ready.notify_waiters();
         r
+    }
+
+    async fn batch(self, _: Context, ops: Vec<CacheOp>) -> Vec<CacheOpResult> {
+        let instance = self.shared.info.instance;
+        let mut notify = false;
+        let mut inner = self.lock();
+        // Once one alloc of the batch must wait, the later ones wait behind it.
+        let mut line_closed = false;
+        let results = ops
+            .into_iter()
+            .map(|op| match op {
+                CacheOp::Alloc(items) => {
+                    if inner.gone.contains(&self.owner) {
+                        return CacheOpResult::Failed(CacheError::Disconnected);
+                    }
+                    inner.drain();
+                    if line_closed || !inner.queue.is_empty() {
+                        line_closed = true;
+                        return match inner.state.check_request(&items) {
+                            Ok(()) => CacheOpResult::MustWait,
+                            Err(e) => CacheOpResult::Failed(e),
+                        };
+                    }
+                    match inner.state.try_alloc(self.owner, &items) {
+                        Ok(records) => CacheOpResult::Allocated(Allocation { instance, records }),
+                        Err(Refusal::Never(e)) => CacheOpResult::Failed(e),
+                        Err(Refusal::NotNow { .. }) => {
+                            line_closed = true;
+                            CacheOpResult::MustWait
+                        }
+                    }
+                }
+                CacheOp::Release(ids) => {
+                    notify = true;
+                    let r = inner.state.release(self.owner, &ids);
+                    inner.drain();
+                    r.map_or_else(CacheOpResult::Failed, |()| CacheOpResult::Done)
+                }
+                CacheOp::SetData(ids) => {
+                    notify = true;
+                    inner.state.set_data_ready(&ids).map_or_else(CacheOpResult::Failed, |()| CacheOpResult::Done)
+                }
+            })
+            .collect();
+        drop(inner);
+        if notify {
+            self.shared.data_ready.notify_waiters();
+        }
+        results
     }
 
     async fn pin(self, _: Context, ids: Vec<u64>) -> Vec<bool> {

@@ -1,0 +1,333 @@
+//! `mmserve bench engine`: the serving engine through a real `mmserve serve` on
+//! loopback. Output tokens per second at several concurrencies (fixed prompt and output
+//! lengths, EOS ignored, greedy), the scheduler's own time per step (from the engine's
+//! counters in `/metrics`), and time to first token for a repeated image prompt: first
+//! sight, repeats with the prefix cache, and repeats without it (a second server with
+//! `--no-prefix-cache`), so the prefix cache's share of the speed-up is its own line.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[derive(Debug, clap::Args)]
+pub struct EngineBench {
+    /// Model directory to serve.
+    #[arg(long, default_value = "assets/models/llava-tiny")]
+    pub model: PathBuf,
+    /// Concurrent requests, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub clients: Vec<usize>,
+    /// Prompt length in tokens (chat template included).
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: u64,
+    /// Output tokens per request.
+    #[arg(long, default_value_t = 64)]
+    pub output_tokens: u32,
+    /// Requests each client sends, one after another.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Image for the time-to-first-token runs (default: the model directory's input.png).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// Repeats of the image prompt.
+    #[arg(long, default_value_t = 20)]
+    pub repeats: usize,
+    /// More flags for `mmserve serve` (e.g. `--serve-arg=--block-size=32`).
+    #[arg(long = "serve-arg", allow_hyphen_values = true)]
+    pub serve_args: Vec<String>,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A `mmserve serve` started for the run; stopped on drop.
+struct OwnServer {
+    child: tokio::process::Child,
+    url: String,
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+    }
+}
+
+impl OwnServer {
+    async fn start(model: &Path, extra: &[String]) -> anyhow::Result<Self> {
+        let mut child = tokio::process::Command::new(std::env::current_exe()?)
+            .args(["serve", "--port", "0", "--model"])
+            .arg(model)
+            .args(extra)
+            .env("MMSERVE_LOG", "warn")
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting mmserve serve")?;
+        let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+        let url = tokio::time::timeout(Duration::from_secs(300), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(url) = line.strip_prefix("mmserve: serving ").and_then(|r| r.split(" at ").nth(1)) {
+                    return Some(url.to_string());
+                }
+            }
+            None
+        })
+        .await;
+        let Ok(Some(url)) = url else { bail!("mmserve serve did not come up") };
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(OwnServer { child, url })
+    }
+
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
+    }
+}
+
+struct Client {
+    http: reqwest::Client,
+    url: String,
+}
+
+impl Client {
+    async fn chat(&self, body: &Value) -> anyhow::Result<Value> {
+        let resp = self.http.post(format!("{}/v1/chat/completions", self.url)).json(body).send().await?;
+        let status = resp.status();
+        let v: Value = resp.json().await?;
+        if !status.is_success() {
+            bail!("HTTP {status}: {v}");
+        }
+        Ok(v)
+    }
+
+    /// Seconds until the first streamed token.
+    async fn ttft(&self, body: &Value) -> anyhow::Result<f64> {
+        let t0 = Instant::now();
+        let resp = self.http.post(format!("{}/v1/chat/completions", self.url)).json(body).send().await?;
+        if !resp.status().is_success() {
+            bail!("HTTP {}", resp.status());
+        }
+        let mut stream = resp.bytes_stream();
+        let mut seen = String::new();
+        let mut first = None;
+        while let Some(chunk) = stream.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk?));
+            if first.is_none() && seen.contains("\"token_ids\":[") {
+                first = Some(t0.elapsed().as_secs_f64());
+            }
+        }
+        first.context("no token streamed")
+    }
+
+    /// The engine's counters from `/metrics`.
+    async fn metrics(&self) -> anyhow::Result<Counters> {
+        let text = self.http.get(format!("{}/metrics", self.url)).send().await?.text().await?;
+        let get = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        Ok(Counters {
+            steps: get("mmserve_engine_steps_total"),
+            schedule: get("mmserve_engine_schedule_seconds_total"),
+            step: get("mmserve_engine_step_seconds_total"),
+            prefix_hits: get("mmserve_prefix_cache_hit_tokens_total"),
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Counters {
+    steps: f64,
+    schedule: f64,
+    step: f64,
+    prefix_hits: f64,
+}
+
+fn text_body(model: &str, content: &str, max_tokens: u32) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+    })
+}
+
+/// Filler that sets a prompt's length: `words` words, then a suffix.
+#[derive(Clone, Copy)]
+struct Filler {
+    words: usize,
+    suffix: &'static str,
+}
+
+/// Request `i`'s prompt: a distinct head (so requests share no prefix block) and filler.
+fn prompt_text(i: usize, f: Filler) -> String {
+    let mut s = format!("Request {i:06}:");
+    for w in 0..f.words {
+        s.push_str([" red", " blue", " green", " gold"][w % 4]);
+    }
+    s.push_str(f.suffix);
+    s
+}
+
+async fn prompt_len(client: &Client, model: &str, f: Filler) -> anyhow::Result<u64> {
+    let v = client.chat(&text_body(model, &prompt_text(0, f), 1)).await?;
+    v["usage"]["prompt_tokens"].as_u64().context("usage.prompt_tokens")
+}
+
+/// The filler whose prompt has `want` tokens (or the longest below it): a binary search
+/// over words, then a scan around it with short suffixes for the last token or two.
+async fn calibrate(client: &Client, model: &str, want: u64) -> anyhow::Result<(Filler, u64)> {
+    let (mut lo, mut hi) = (0usize, 4 * want as usize + 8);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if prompt_len(client, model, Filler { words: mid, suffix: "" }).await? <= want {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let mut best = (Filler { words: 0, suffix: "" }, 0);
+    for words in lo.saturating_sub(3)..=lo {
+        for suffix in ["", "!", " ok", " ok!", " ok ok"] {
+            let f = Filler { words, suffix };
+            let got = prompt_len(client, model, f).await?;
+            if got == want {
+                return Ok((f, got));
+            }
+            if got < want && got > best.1 {
+                best = (f, got);
+            }
+        }
+    }
+    Ok(best)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+pub async fn run(b: EngineBench) -> anyhow::Result<()> {
+    let name = b.model.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let server = OwnServer::start(&b.model, &b.serve_args).await?;
+    let client = Client { http: reqwest::Client::new(), url: server.url.clone() };
+    let (filler, prompt_len) = calibrate(&client, &name, b.prompt_tokens).await?;
+    if !b.json {
+        println!(
+            "engine through mmserve serve ({name}): prompt {prompt_len} tokens, output {} tokens, greedy, EOS ignored",
+            b.output_tokens
+        );
+        println!(
+            "{:>8} {:>9} {:>12} {:>10} {:>14} {:>14} {:>10}",
+            "clients", "requests", "output tok/s", "seconds", "step (ms)", "schedule (µs)", "sched %"
+        );
+    }
+    let mut next = 1usize;
+    for &c in &b.clients {
+        let before = client.metrics().await?;
+        let t0 = Instant::now();
+        let tasks = (0..c).map(|k| {
+            let client = &client;
+            let name = &name;
+            let first = next + k * b.rounds;
+            async move {
+                let mut tokens = 0u64;
+                for r in 0..b.rounds {
+                    let body = text_body(name, &prompt_text(first + r, filler), b.output_tokens);
+                    let v = client.chat(&body).await?;
+                    tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                }
+                anyhow::Ok(tokens)
+            }
+        });
+        let results = futures::future::join_all(tasks).await;
+        let seconds = t0.elapsed().as_secs_f64();
+        next += c * b.rounds;
+        let tokens: u64 = results.into_iter().collect::<anyhow::Result<Vec<u64>>>()?.into_iter().sum();
+        let after = client.metrics().await?;
+        let steps = (after.steps - before.steps).max(1.0);
+        let step_ms = (after.step - before.step) / steps * 1e3;
+        let sched_us = (after.schedule - before.schedule) / steps * 1e6;
+        let share = 100.0 * (after.schedule - before.schedule) / (after.step - before.step).max(1e-12);
+        let tps = tokens as f64 / seconds;
+        if b.json {
+            println!(
+                "{}",
+                json!({"clients": c, "requests": c * b.rounds, "output_tokens_per_s": tps, "seconds": seconds,
+                       "step_ms": step_ms, "schedule_us_per_step": sched_us, "schedule_share": share / 100.0})
+            );
+        } else {
+            println!(
+                "{c:>8} {:>9} {tps:>12.0} {seconds:>10.2} {step_ms:>14.3} {sched_us:>14.1} {share:>9.1}%",
+                c * b.rounds
+            );
+        }
+    }
+
+    // Time to first token for one image prompt seen again and again.
+    let image = b.image.clone().unwrap_or_else(|| b.model.join("input.png"));
+    let png = std::fs::read(&image).with_context(|| format!("reading {}", image.display()))?;
+    let url = {
+        use base64::Engine;
+        format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&png))
+    };
+    let body = json!({
+        "model": name,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": prompt_text(0, filler)}
+        ]}],
+        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true,
+    });
+    let repeats = b.repeats;
+    let repeated = |client: Client, body: Value| async move {
+        let before = client.metrics().await?;
+        let mut t = Vec::new();
+        for _ in 0..repeats {
+            t.push(client.ttft(&body).await?);
+        }
+        let hits = client.metrics().await?.prefix_hits - before.prefix_hits;
+        anyhow::Ok((median(&mut t), hits / repeats.max(1) as f64))
+    };
+    let first = client.ttft(&body).await?;
+    let (with_prefix, hit_tokens) = repeated(client, body.clone()).await?;
+    server.stop().await;
+    let mut args = b.serve_args.clone();
+    args.push("--no-prefix-cache".into());
+    let server = OwnServer::start(&b.model, &args).await?;
+    let client = Client { http: reqwest::Client::new(), url: server.url.clone() };
+    client.ttft(&body).await?; // the image into the embed cache
+    let (without_prefix, _) = repeated(client, body).await?;
+    server.stop().await;
+    if b.json {
+        println!(
+            "{}",
+            json!({"ttft_first_s": first, "ttft_repeat_prefix_cache_s": with_prefix,
+                   "ttft_repeat_no_prefix_cache_s": without_prefix, "prefix_hit_tokens_per_request": hit_tokens})
+        );
+    } else {
+        println!("time to first token, one image prompt (median of {} repeats):", b.repeats);
+        println!("  first sight (encoder + full prefill)        {:>9.2} ms", first * 1e3);
+        println!("  repeated, embed cache hit, no prefix cache  {:>9.2} ms", without_prefix * 1e3);
+        println!(
+            "  repeated, embed cache hit + prefix cache    {:>9.2} ms  ({hit_tokens:.0} prompt tokens from the prefix cache; {:.2}× faster than without)",
+            with_prefix * 1e3,
+            without_prefix / with_prefix
+        );
+    }
+    Ok(())
+}
