@@ -30,11 +30,29 @@ impl TextTokenizer {
     pub fn from_dir(dir: &ModelDir) -> Result<Self, TextError> {
         let path = dir.path("tokenizer.json");
         let inner = Tokenizer::from_file(&path).map_err(|e| TextError::Tokenizer { path, message: e.to_string() })?;
-        let tc = dir.optional_json("tokenizer_config.json")?.unwrap_or(Value::Null);
+        let tc = dir.optional_json("tokenizer_config.json")?;
+        let gc = dir.optional_json("generation_config.json")?;
+        Ok(Self::from_parts(inner, tc, gc))
+    }
+
+    /// From the contents of `tokenizer.json`, `tokenizer_config.json` and
+    /// `generation_config.json` (for tokenizers that come without a model directory).
+    pub fn from_bytes(
+        tokenizer_json: &[u8],
+        tokenizer_config: Option<Value>,
+        generation_config: Option<Value>,
+    ) -> Result<Self, TextError> {
+        let inner = Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| TextError::Tokenizer { path: "tokenizer.json".into(), message: e.to_string() })?;
+        Ok(Self::from_parts(inner, tokenizer_config, generation_config))
+    }
+
+    fn from_parts(inner: Tokenizer, tc: Option<Value>, gc: Option<Value>) -> Self {
+        let tc = tc.unwrap_or(Value::Null);
         let bos_token = token_string(tc.get("bos_token"));
         let eos_token = token_string(tc.get("eos_token"));
         let mut eos_ids = Vec::new();
-        if let Some(gc) = dir.optional_json("generation_config.json")? {
+        if let Some(gc) = gc {
             match gc.get("eos_token_id") {
                 Some(Value::Number(n)) => eos_ids.extend(n.as_u64().map(|n| n as u32)),
                 Some(Value::Array(a)) => eos_ids.extend(a.iter().filter_map(Value::as_u64).map(|n| n as u32)),
@@ -48,7 +66,7 @@ impl TextTokenizer {
         }
         let special_ids =
             inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
-        Ok(TextTokenizer { inner, bos_token, eos_token, eos_ids, special_ids })
+        TextTokenizer { inner, bos_token, eos_token, eos_ids, special_ids }
     }
 
     /// Tokenizes a rendered chat prompt. The tokenizer's post-processor adds BOS unless
@@ -67,6 +85,11 @@ impl TextTokenizer {
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// The token's string in the vocabulary (for byte-level BPE, one character per byte).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
     }
 
     /// Tokens the tokenizer knows, added tokens included.

@@ -5,7 +5,6 @@
 use std::io::Read;
 use std::sync::OnceLock;
 
-use mmserve_config::ModelDir;
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 use proptest::prelude::*;
 
@@ -13,24 +12,16 @@ const IM_START: u32 = 151644;
 const IM_END: u32 = 151645;
 const ENDOFTEXT: u32 = 151643;
 
-/// The tokenizer, loaded once per test binary. `ModelDir` wants a `config.json` it can
-/// parse, so the asset is unpacked next to the tiny LLaVA fixture's config.
+/// The tokenizer, loaded once per test binary.
 fn tokenizer() -> &'static TextTokenizer {
     static TOK: OnceLock<TextTokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets");
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/tokenizers/qwen2_real");
         let mut json = Vec::new();
-        let gz = std::fs::File::open(format!("{root}/tokenizers/qwen2_real/tokenizer.json.gz")).unwrap();
+        let gz = std::fs::File::open(format!("{dir}/tokenizer.json.gz")).unwrap();
         flate2::read::GzDecoder::new(gz).read_to_end(&mut json).unwrap();
-        let tmp = std::env::temp_dir().join(format!("mmserve-text-qwen2-real-{}", std::process::id()));
-        std::fs::create_dir_all(&tmp).unwrap();
-        std::fs::write(tmp.join("tokenizer.json"), json).unwrap();
-        std::fs::copy(format!("{root}/tokenizers/qwen2_real/tokenizer_config.json"), tmp.join("tokenizer_config.json"))
-            .unwrap();
-        std::fs::copy(format!("{root}/models/llava-tiny/config.json"), tmp.join("config.json")).unwrap();
-        let tok = TextTokenizer::from_dir(&ModelDir::open(&tmp).unwrap()).unwrap();
-        std::fs::remove_dir_all(&tmp).unwrap();
-        tok
+        let config = serde_json::from_slice(&std::fs::read(format!("{dir}/tokenizer_config.json")).unwrap()).unwrap();
+        TextTokenizer::from_bytes(&json, Some(config), None).unwrap()
     })
 }
 

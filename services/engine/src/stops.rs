@@ -104,7 +104,6 @@ mod qwen2_real {
     use std::ops::Range;
     use std::sync::OnceLock;
 
-    use mmserve_config::ModelDir;
     use mmserve_text::{IncrementalDecoder, TextTokenizer};
     use proptest::prelude::*;
 
@@ -112,28 +111,18 @@ mod qwen2_real {
 
     struct Tokenizers {
         text: TextTokenizer,
-        /// The same vocabulary through the `tokenizers` crate, for each token's bytes.
-        raw: tokenizers::Tokenizer,
     }
 
     fn tokenizers() -> &'static Tokenizers {
         static TOK: OnceLock<Tokenizers> = OnceLock::new();
         TOK.get_or_init(|| {
-            let assets = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets");
+            let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/tokenizers/qwen2_real");
             let mut json = Vec::new();
-            let gz = std::fs::File::open(format!("{assets}/tokenizers/qwen2_real/tokenizer.json.gz")).unwrap();
+            let gz = std::fs::File::open(format!("{dir}/tokenizer.json.gz")).unwrap();
             flate2::read::GzDecoder::new(gz).read_to_end(&mut json).unwrap();
-            let raw = tokenizers::Tokenizer::from_bytes(&json).unwrap();
-            // `ModelDir` wants a `config.json` it can parse: borrow the tiny LLaVA fixture's.
-            let tmp = std::env::temp_dir().join(format!("mmserve-engine-qwen2-real-{}", std::process::id()));
-            std::fs::create_dir_all(&tmp).unwrap();
-            std::fs::write(tmp.join("tokenizer.json"), &json).unwrap();
-            let qwen = format!("{assets}/tokenizers/qwen2_real/tokenizer_config.json");
-            std::fs::copy(qwen, tmp.join("tokenizer_config.json")).unwrap();
-            std::fs::copy(format!("{assets}/models/llava-tiny/config.json"), tmp.join("config.json")).unwrap();
-            let text = TextTokenizer::from_dir(&ModelDir::open(&tmp).unwrap()).unwrap();
-            std::fs::remove_dir_all(&tmp).unwrap();
-            Tokenizers { text, raw }
+            let config = std::fs::read(format!("{dir}/tokenizer_config.json")).unwrap();
+            let config = serde_json::from_slice(&config).unwrap();
+            Tokenizers { text: TextTokenizer::from_bytes(&json, Some(config), None).unwrap() }
         })
     }
 
@@ -149,7 +138,7 @@ mod qwen2_real {
         let spans: Vec<Range<usize>> = ids
             .iter()
             .map(|&id| {
-                let len = tokenizers().raw.id_to_token(id).unwrap().chars().count();
+                let len = tokenizers().text.id_to_token(id).unwrap().chars().count();
                 at += len;
                 at - len..at
             })

@@ -362,3 +362,40 @@ fn admission_estimates_output_from_recent_requests_when_not_busy() {
         h.b.sched.blocks.free(id).expect("free");
     }
 }
+
+#[test]
+fn a_seeded_request_samples_the_same_alone_or_among_others() {
+    let setup = || Setup { num_blocks: 128, block_size: 4, chunk: 16, max_running: 16, expected_output: None };
+    let prompt = random_prompt(&mut Rng::new(5), 23);
+    let params = SamplingParams {
+        max_tokens: 12,
+        temperature: 1.1,
+        top_p: 0.9,
+        top_k: 50,
+        seed: Some(1234),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let ids = |events: &[OutputEvent]| events.iter().filter_map(|e| e.token_id).collect::<Vec<_>>();
+    let mut alone = Harness::new(setup());
+    alone.submit(request(1, prompt.clone(), params.clone()));
+    let mut log = HashMap::new();
+    alone.run(200, &mut log);
+    let want = ids(&log[&1]);
+    // Among 15 unseeded, differently sized others, submitted before and after it.
+    let mut crowd = Harness::new(setup());
+    let mut rng = Rng::new(9);
+    for id in 100..108 {
+        let len = 1 + (rng.next_u64() % 40) as usize;
+        crowd.submit(request(id, random_prompt(&mut rng, len), SamplingParams { max_tokens: 9, ..params.clone() }));
+    }
+    crowd.submit(request(1, prompt, params.clone()));
+    for id in 108..115 {
+        let len = 1 + (rng.next_u64() % 40) as usize;
+        crowd.submit(request(id, random_prompt(&mut rng, len), SamplingParams { seed: None, ..params.clone() }));
+    }
+    let mut log = HashMap::new();
+    crowd.run(500, &mut log);
+    assert_eq!(ids(&log[&1]), want);
+    assert_eq!(want.len(), 12);
+}
