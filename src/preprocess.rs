@@ -104,6 +104,7 @@ fn clip_tokens(model_config: Option<&Value>) -> anyhow::Result<usize> {
     let Some(cfg) = model_config else { bail!("config.json is needed for the token count of a CLIP model") };
     match mmserve_config::ModelConfig::from_json(cfg).map_err(anyhow::Error::msg)? {
         mmserve_config::ModelConfig::Llava(c) => Ok(c.image_token_count()),
+        other => bail!("a CLIP image processor with a {:?} model", other.media()),
     }
 }
 

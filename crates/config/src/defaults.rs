@@ -54,3 +54,14 @@ impl<'a> Fields<'a> {
         }
     }
 }
+
+/// The checkpoint's dtype: `dtype` (v5) or `torch_dtype` (Hub), at the top level or in
+/// `text_config`; `float32` when none says.
+pub(crate) fn checkpoint_dtype(top: &Fields, text_json: &Value) -> Result<String, String> {
+    let field = top.get("dtype").or_else(|| top.get("torch_dtype"));
+    match field.or_else(|| text_json.get("dtype")).or_else(|| text_json.get("torch_dtype")) {
+        None => Ok("float32".to_string()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(format!("config.dtype must be a string, got {other}")),
+    }
+}

@@ -9,11 +9,16 @@
 mod defaults;
 mod files;
 mod llava;
+mod qwen2_audio;
 
 pub use files::{ModelDir, WeightFiles};
 pub use llava::{ClipVisionConfig, FeatureSelect, LlamaConfig, LlavaConfig};
+pub use qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig, audio_token_count};
 
 use std::path::PathBuf;
+
+/// The architectures mmserve serves.
+pub const SUPPORTED: &str = "LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -25,7 +30,7 @@ pub enum ConfigError {
     Json { path: PathBuf, source: serde_json::Error },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
-    #[error("unsupported architecture {0:?} (supported: LlavaForConditionalGeneration)")]
+    #[error("unsupported architecture {0:?} (supported: {supported})", supported = SUPPORTED)]
     UnsupportedArchitecture(String),
     #[error("{0}: no weights found (model.safetensors or model.safetensors.index.json)")]
     NoWeights(PathBuf),
@@ -35,6 +40,14 @@ pub enum ConfigError {
 #[derive(Debug, Clone)]
 pub enum ModelConfig {
     Llava(LlavaConfig),
+    Qwen2Audio(Qwen2AudioConfig),
+}
+
+/// What kind of media items a model takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    Image,
+    Audio,
 }
 
 impl ModelConfig {
@@ -45,30 +58,43 @@ impl ModelConfig {
         if model_type == "llava" || arch == "LlavaForConditionalGeneration" {
             return LlavaConfig::from_json(value).map(ModelConfig::Llava);
         }
-        Err(format!(
-            "unsupported architecture {:?} (model_type {:?}); supported: LlavaForConditionalGeneration",
-            arch, model_type
-        ))
+        if model_type == "qwen2_audio" || arch == "Qwen2AudioForConditionalGeneration" {
+            return Qwen2AudioConfig::from_json(value).map(ModelConfig::Qwen2Audio);
+        }
+        Err(format!("unsupported architecture {arch:?} (model_type {model_type:?}); supported: {SUPPORTED}"))
+    }
+
+    /// The language model's config.
+    pub fn text(&self) -> &LlamaConfig {
+        match self {
+            ModelConfig::Llava(c) => &c.text,
+            ModelConfig::Qwen2Audio(c) => &c.text,
+        }
     }
 
     /// Hidden size of the language model: the width of one embedding row.
     pub fn lm_hidden_size(&self) -> usize {
-        match self {
-            ModelConfig::Llava(c) => c.text.hidden_size,
-        }
+        self.text().hidden_size
     }
 
     /// Vocabulary size of the language model (rows of the embedding table).
     pub fn vocab_size(&self) -> usize {
-        match self {
-            ModelConfig::Llava(c) => c.text.vocab_size,
-        }
+        self.text().vocab_size
     }
 
     /// The dtype the checkpoint declares (`float32`, `bfloat16`, `float16`).
     pub fn dtype(&self) -> &str {
         match self {
             ModelConfig::Llava(c) => &c.dtype,
+            ModelConfig::Qwen2Audio(c) => &c.dtype,
+        }
+    }
+
+    /// The media the model takes.
+    pub fn media(&self) -> MediaKind {
+        match self {
+            ModelConfig::Llava(_) => MediaKind::Image,
+            ModelConfig::Qwen2Audio(_) => MediaKind::Audio,
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::defaults::Fields;
+use crate::defaults::{Fields, checkpoint_dtype};
 
 /// `LlamaConfig` fields the language model reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,14 +21,50 @@ pub struct LlamaConfig {
     pub rope_type: String,
     pub max_position_embeddings: usize,
     pub hidden_act: String,
+    /// Bias on the q, k and v projections.
     pub attention_bias: bool,
+    /// Bias on the output projection (Llama: as `attention_bias`; Qwen2: never).
+    pub o_proj_bias: bool,
     pub mlp_bias: bool,
     pub tie_word_embeddings: bool,
 }
 
+/// The defaults of one decoder family's config class, for fields a config leaves out.
+struct TextDefaults {
+    vocab_size: usize,
+    intermediate_size: usize,
+    rms_norm_eps: f64,
+    max_position_embeddings: usize,
+}
+
+const LLAMA: TextDefaults =
+    TextDefaults { vocab_size: 32000, intermediate_size: 11008, rms_norm_eps: 1e-6, max_position_embeddings: 2048 };
+const QWEN2: TextDefaults =
+    TextDefaults { vocab_size: 151936, intermediate_size: 22016, rms_norm_eps: 1e-6, max_position_embeddings: 32768 };
+
 impl LlamaConfig {
     /// Parses a Llama config object; missing fields take `LlamaConfig`'s defaults.
     pub fn from_json(v: &Value, tie_default: bool) -> Result<Self, String> {
+        let mut c = Self::parse(v, tie_default, &LLAMA)?;
+        c.attention_bias = Fields::new(v, "text_config").bool_or("attention_bias", false)?;
+        c.o_proj_bias = c.attention_bias;
+        Ok(c)
+    }
+
+    /// Parses a `Qwen2Config` (`Qwen2ForCausalLM`: the Llama decoder with biases on q, k
+    /// and v, none on o); missing fields take `Qwen2Config`'s defaults.
+    pub fn qwen2_from_json(v: &Value, tie_default: bool) -> Result<Self, String> {
+        let f = Fields::new(v, "text_config");
+        if f.bool_or("use_sliding_window", false)? {
+            return Err("text_config.use_sliding_window is not supported".into());
+        }
+        let mut c = Self::parse(v, tie_default, &QWEN2)?;
+        c.attention_bias = true;
+        c.o_proj_bias = false;
+        Ok(c)
+    }
+
+    fn parse(v: &Value, tie_default: bool, d: &TextDefaults) -> Result<Self, String> {
         let f = Fields::new(v, "text_config");
         let hidden_size = f.usize_or("hidden_size", 4096)?;
         let num_attention_heads = f.usize_or("num_attention_heads", 32)?;
@@ -57,19 +93,20 @@ impl LlamaConfig {
             .unwrap_or("default")
             .to_string();
         Ok(LlamaConfig {
-            vocab_size: f.usize_or("vocab_size", 32000)?,
+            vocab_size: f.usize_or("vocab_size", d.vocab_size)?,
             hidden_size,
-            intermediate_size: f.usize_or("intermediate_size", 11008)?,
+            intermediate_size: f.usize_or("intermediate_size", d.intermediate_size)?,
             num_hidden_layers: f.usize_or("num_hidden_layers", 32)?,
             num_attention_heads,
             num_key_value_heads,
             head_dim: f.usize_or("head_dim", hidden_size / num_attention_heads)?,
-            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+            rms_norm_eps: f.f64_or("rms_norm_eps", d.rms_norm_eps)?,
             rope_theta,
             rope_type,
-            max_position_embeddings: f.usize_or("max_position_embeddings", 2048)?,
+            max_position_embeddings: f.usize_or("max_position_embeddings", d.max_position_embeddings)?,
             hidden_act: f.str_or("hidden_act", "silu")?,
-            attention_bias: f.bool_or("attention_bias", false)?,
+            attention_bias: false,
+            o_proj_bias: false,
             mlp_bias: f.bool_or("mlp_bias", false)?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", tie_default)?,
         })
@@ -181,12 +218,7 @@ impl LlavaConfig {
             "full" => FeatureSelect::Full,
             other => return Err(format!("config.vision_feature_select_strategy {other:?} is not default or full")),
         };
-        let dtype_field = f.get("dtype").or_else(|| f.get("torch_dtype"));
-        let dtype = match dtype_field.or_else(|| text_json.get("dtype")).or_else(|| text_json.get("torch_dtype")) {
-            None => "float32".to_string(),
-            Some(Value::String(s)) => s.clone(),
-            Some(other) => return Err(format!("config.dtype must be a string, got {other}")),
-        };
+        let dtype = checkpoint_dtype(&f, &text_json)?;
         // Hub configs say `image_token_index`; some newer ones `image_token_id`.
         let image_token_index = match f.get("image_token_index") {
             Some(_) => f.usize_or("image_token_index", 32000)?,

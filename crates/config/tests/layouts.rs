@@ -6,7 +6,27 @@ use serde_json::Value;
 fn load(v: &Value) -> mmserve_config::LlavaConfig {
     match ModelConfig::from_json(v).unwrap() {
         ModelConfig::Llava(c) => c,
+        other => panic!("not LLaVA: {other:?}"),
     }
+}
+
+#[test]
+fn qwen2_audio_hub_and_v5_layouts_agree() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/models/qwen2-audio-tiny");
+    let read = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/{name}")).unwrap()).unwrap()
+    };
+    let reference = read("reference.json");
+    let load = |v: &Value| match ModelConfig::from_json(v).unwrap() {
+        ModelConfig::Qwen2Audio(c) => c,
+        other => panic!("not Qwen2-Audio: {other:?}"),
+    };
+    let (a, b) = (load(&read("config.json")), load(&reference["transformers_v5_save_pretrained"]["config.json"]));
+    assert_eq!(a, b);
+    assert_eq!((a.audio.d_model, a.audio.encoder_layers, a.audio.num_mel_bins), (32, 2, 128));
+    assert_eq!((a.text.hidden_size, a.text.vocab_size, a.text.rms_norm_eps), (64, 2048, 1e-5));
+    assert!(a.text.attention_bias && !a.text.o_proj_bias && !a.text.tie_word_embeddings);
+    assert_eq!(a.audio_token_index, 2014);
 }
 
 #[test]

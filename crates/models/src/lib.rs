@@ -1,5 +1,7 @@
 //! Model code of mmserve on candle: LLaVA-1.5 (`LlavaForConditionalGeneration`), that is
-//! a CLIP vision tower and projector ([`LlavaVision`]) feeding a Llama language model
+//! a CLIP vision tower and projector ([`LlavaVision`]), and Qwen2-Audio
+//! (`Qwen2AudioForConditionalGeneration`: [`Qwen2AudioEncoder`]), feeding a Llama or
+//! Qwen2 language model
 //! ([`Llama`]) that runs batched forward steps over variable-length sequences, each
 //! with its own [`KvCache`], or over a paged KV pool ([`PagedKv`], [`Llama::forward_paged`]).
 //!
@@ -12,6 +14,7 @@ mod error;
 mod llama;
 mod llava;
 mod paged;
+mod qwen2_audio;
 mod weights;
 
 pub use activation::Activation;
@@ -20,4 +23,5 @@ pub use error::ModelError;
 pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
 pub use paged::{PagedKv, PagedSeq};
+pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
 pub use weights::{Naming, Weights, parse_dtype};

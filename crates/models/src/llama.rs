@@ -7,7 +7,8 @@
 //! Reads `LlamaConfig` (`text_config`): `vocab_size`, `hidden_size`,
 //! `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
 //! `num_key_value_heads` (GQA), `head_dim`, `rms_norm_eps`, `rope_theta`, `rope_type`
-//! (only `default`), `hidden_act`, `attention_bias`, `mlp_bias`. The LM head falls back
+//! (only `default`), `hidden_act`, `attention_bias` (q, k, v), `o_proj_bias`, `mlp_bias`;
+//! with Qwen2's biases it is `Qwen2ForCausalLM`. The LM head falls back
 //! to the embedding matrix (tied embeddings) when the checkpoint has no `lm_head.weight`.
 //!
 //! RoPE is the "rotate_half" (GPT-NeoX) form, with the angles computed in f32 as
@@ -19,7 +20,6 @@ use mmserve_config::{LlamaConfig, ModelDir};
 
 use crate::ModelError;
 use crate::activation::Activation;
-use crate::llava::llava_config;
 use crate::weights::{Scope, Weights};
 
 /// One sequence's keys and values: per layer [kv_heads, len, head_dim].
@@ -88,7 +88,7 @@ impl Attention {
             q_proj: s.linear("q_proj", h, nh * d, bias)?,
             k_proj: s.linear("k_proj", h, nkv * d, bias)?,
             v_proj: s.linear("v_proj", h, nkv * d, bias)?,
-            o_proj: s.linear("o_proj", nh * d, h, bias)?,
+            o_proj: s.linear("o_proj", nh * d, h, cfg.o_proj_bias)?,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: d,
@@ -210,7 +210,7 @@ pub struct Llama {
 impl Llama {
     pub fn load(dir: &ModelDir, device: &Device, dtype: DType) -> Result<Self, ModelError> {
         let weights = Weights::open(&dir.weight_files()?, device, dtype)?;
-        Self::from_weights(&weights, &llava_config(dir)?.text)
+        Self::from_weights(&weights, dir.config.text())
     }
 
     pub fn from_weights(weights: &Weights, cfg: &LlamaConfig) -> Result<Self, ModelError> {

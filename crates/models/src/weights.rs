@@ -12,6 +12,7 @@
 //! | LM head | `language_model.lm_head.weight` | `lm_head.weight` |
 //! | vision tower | `vision_tower.vision_model.*` | `model.vision_tower.vision_model.*` |
 //! | projector | `multi_modal_projector.*` | `model.multi_modal_projector.*` |
+//! | audio tower (Qwen2-Audio) | `audio_tower.*` | `model.audio_tower.*` |
 //!
 //! Reads no config fields itself; `dtype` (config `dtype` / `torch_dtype`) can be mapped
 //! with [`parse_dtype`].
@@ -58,6 +59,13 @@ impl Naming {
         match self {
             Naming::Hub => "multi_modal_projector",
             Naming::V5 => "model.multi_modal_projector",
+        }
+    }
+
+    fn audio_tower(self) -> &'static str {
+        match self {
+            Naming::Hub => "audio_tower",
+            Naming::V5 => "model.audio_tower",
         }
     }
 }
@@ -141,9 +149,14 @@ impl Weights {
         self.scope(self.naming.vision_model())
     }
 
-    /// `LlavaMultiModalProjector`: linear_1, linear_2.
+    /// `LlavaMultiModalProjector` (linear_1, linear_2) or Qwen2-Audio's (linear).
     pub(crate) fn projector(&self) -> Scope {
         self.scope(self.naming.projector())
+    }
+
+    /// `Qwen2AudioEncoder`: conv1, conv2, embed_positions, layers, layer_norm.
+    pub(crate) fn audio_tower(&self) -> Scope {
+        self.scope(self.naming.audio_tower())
     }
 }
 

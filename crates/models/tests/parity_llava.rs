@@ -14,7 +14,7 @@ const IMAGE_TOKEN: u32 = 1000;
 fn vision_tower_and_projector_match_transformers() {
     let r = Reference::load();
     let dir = ModelDir::open(fixture_dir()).unwrap();
-    let ModelConfig::Llava(cfg) = &dir.config;
+    let ModelConfig::Llava(cfg) = &dir.config else { panic!("not a LLaVA config") };
     let pixels = r.tensor("pixel_values");
 
     let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();

@@ -137,6 +137,8 @@ pub enum ApiServiceError {
     Media(#[from] mmserve_media::MediaError),
     #[error("the model directory has no preprocessor_config.json")]
     NoPreprocessor,
+    #[error("{0}")]
+    Unsupported(String),
     #[error("connecting to {service}: {message}")]
     Connect { service: &'static str, message: String },
     #[error("--allowed-local-media-path {path}: {source}")]
@@ -163,7 +165,12 @@ where
 /// Builds the shared state: the model's text side and clients of the three services.
 pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceError> {
     let dir = ModelDir::open(&args.model)?;
-    let ModelConfig::Llava(cfg) = &dir.config;
+    let ModelConfig::Llava(cfg) = &dir.config else {
+        return Err(ApiServiceError::Unsupported(format!(
+            "{}: the api serves LlavaForConditionalGeneration only so far",
+            args.model.display()
+        )));
+    };
     let tokenizer = TextTokenizer::from_dir(&dir)?;
     let template = ChatTemplate::new(dir.chat_template()?.ok_or(mmserve_text::TextError::NoChatTemplate)?, &tokenizer)?;
     let pp = dir.optional_json("preprocessor_config.json")?.ok_or(ApiServiceError::NoPreprocessor)?;

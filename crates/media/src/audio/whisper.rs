@@ -236,14 +236,8 @@ impl WhisperFeatureExtractor {
     }
 }
 
-/// Qwen2-Audio's audio tokens for `valid_frames` feature frames (two stride-2 reductions):
-/// `((L − 1) // 2 + 1 − 2) // 2 + 1` with Python's floor division, or 0 when that is not positive.
-/// 3000 frames (30 s) give 750 tokens.
-pub fn qwen2_audio_tokens(valid_frames: usize) -> usize {
-    let l = valid_frames as i64;
-    let tokens = ((l - 1).div_euclid(2) + 1 - 2).div_euclid(2) + 1;
-    tokens.max(0) as usize
-}
+/// Qwen2-Audio's audio tokens for `valid_frames` feature frames: the model's rule.
+pub use mmserve_config::audio_token_count as qwen2_audio_tokens;
 
 fn hertz_to_mel_slaney(hz: f64) -> f64 {
     let (min_log_hz, min_log_mel, logstep) = (1000.0, 15.0, 27.0 / 6.4f64.ln());

@@ -1,4 +1,4 @@
-//! Helpers shared by the tests: the tiny LLaVA fixture and its transformers reference.
+//! Helpers shared by the tests: the tiny fixtures and their transformers references.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -10,11 +10,19 @@ pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/models/llava-tiny")
 }
 
+pub fn audio_fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/models/qwen2-audio-tiny")
+}
+
 pub struct Reference(HashMap<String, Tensor>);
 
 impl Reference {
     pub fn load() -> Self {
-        let path = fixture_dir().join("reference.safetensors");
+        Self::at(&fixture_dir())
+    }
+
+    pub fn at(dir: &std::path::Path) -> Self {
+        let path = dir.join("reference.safetensors");
         Reference(candle_core::safetensors::load(path, &Device::Cpu).expect("reference.safetensors"))
     }
 
