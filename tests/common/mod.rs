@@ -37,12 +37,16 @@ pub struct Server {
 
 impl Server {
     pub fn start(extra: &[&str]) -> Server {
+        Self::start_model(&llava_dir(), extra)
+    }
+
+    pub fn start_model(model: &std::path::Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_mmserve"))
             .arg("serve")
             .arg("--port")
             .arg("0")
             .arg("--model")
-            .arg(llava_dir())
+            .arg(model)
             .args(extra)
             .env("MMSERVE_LOG", "warn")
             .stdout(Stdio::piped())

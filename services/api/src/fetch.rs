@@ -64,13 +64,18 @@ pub fn data_url(url: &str, max_bytes: usize, param: &str) -> Result<Vec<u8>, Api
     if !meta.ends_with(";base64") {
         return Err(bad(param, "data: URLs must be base64-encoded (`;base64,`)"));
     }
+    base64_payload(payload, max_bytes, param)
+}
+
+/// Decodes base64 (a `data:` URL's payload, or `input_audio.data`) of at most `max_bytes`.
+pub fn base64_payload(payload: &str, max_bytes: usize, param: &str) -> Result<Vec<u8>, ApiError> {
     // Base64 of n bytes is 4n/3 characters: refuse oversized items before decoding.
     if payload.len() / 4 * 3 > max_bytes + 3 {
         return Err(too_large(param, max_bytes));
     }
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(payload.trim_end())
-        .map_err(|e| bad(param, format!("invalid base64 in data: URL: {e}")))?;
+        .map_err(|e| bad(param, format!("invalid base64: {e}")))?;
     if bytes.len() > max_bytes {
         return Err(too_large(param, max_bytes));
     }

@@ -12,7 +12,7 @@ use mmserve_protocol::{
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
-use crate::media::{MediaItem, prepare_image};
+use crate::media::{MediaItem, check_kind, prepare};
 use crate::openai::ChatRequest;
 use crate::prompt::{expand, parse_messages, tokenize};
 use crate::state::AppState;
@@ -70,7 +70,9 @@ pub struct Started {
     /// One event stream per choice (`n`), in choice order: (engine request id, events).
     pub choices: Vec<(u64, mpsc::UnboundedReceiver<OutputEvent>)>,
     pub prompt_ids: Vec<u64>,
+    /// Prompt tokens that stand for images, and for audio.
     pub image_tokens: u64,
+    pub audio_tokens: u64,
 }
 
 fn rpc<T>(service: &'static str, r: Result<T, tarpc::client::RpcError>) -> Result<T, ApiError> {
@@ -179,24 +181,29 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
         return Err(ApiError::ModelNotFound(model.clone()));
     }
     let parsed = parse_messages(&req.messages)?;
-    if parsed.image_urls.len() > state.limits.max_items {
+    if parsed.items.len() > state.limits.max_items {
         return Err(ApiError::bad_param(
             "messages",
-            format!("{} images in one request; the limit is {}", parsed.image_urls.len(), state.limits.max_items),
+            format!(
+                "{} media items in one request; the limit is {} (--max-items-per-request)",
+                parsed.items.len(),
+                state.limits.max_items
+            ),
         ));
+    }
+    for src in &parsed.items {
+        check_kind(src, &state.limits.model, &state.model_name)?;
     }
     let ids = tokenize(&state.template, &state.tokenizer, &parsed.template_messages)?;
 
-    // Media: fetched, checked from the header and keyed, all items at once.
-    let items: Vec<MediaItem> = futures::future::try_join_all(
-        parsed
-            .image_urls
-            .iter()
-            .map(|url| prepare_image(url, &state.limits, &state.fingerprint, state.tokens_per_image)),
-    )
-    .await?;
-    let image_tokens: u64 = items.iter().map(|i| u64::from(i.token_num)).sum();
-    let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens;
+    // Media: fetched, checked and keyed, all items at once.
+    let items: Vec<MediaItem> =
+        futures::future::try_join_all(parsed.items.iter().map(|src| prepare(src, &state.limits, &state.fingerprint)))
+            .await?;
+    let tokens_of =
+        |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
+    let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
+    let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens + audio_tokens;
     let (params, n) = sampling(req, prompt_len, state.max_model_len)?;
 
     let request_id = state.new_request_id();
@@ -204,7 +211,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     let (cache_instance, records) = reserve(state, &items, &mut guard).await?;
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
-    let prompt_ids = expand(&ids, state.image_token, &ranges)?;
+    let prompt_ids = expand(&ids, state.item_token, &ranges)?;
     let mut spans: Vec<ItemSpan> = Vec::new();
     for r in &records {
         if !spans.iter().any(|s| s.token_id == r.token_id) {
@@ -237,7 +244,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
         requests.push(request);
     }
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), requests).await)??;
-    Ok(Started { guard, choices, prompt_ids, image_tokens })
+    Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens })
 }
 
 /// Reserves every item at once, writes the bytes of items this request created, and
@@ -282,11 +289,11 @@ async fn reserve(
     }
 
     let mut missing: Vec<EncodeItem> = Vec::new();
-    for r in records.iter().filter(|r| !r.embed_ready) {
+    for (item, r) in items.iter().zip(&records).filter(|(_, r)| !r.embed_ready) {
         if !missing.iter().any(|m| m.id == r.id) {
             missing.push(EncodeItem {
                 id: r.id,
-                modality: Modality::Image,
+                modality: item.modality,
                 cache_instance: instance,
                 data_offset: r.data_offset,
                 data_len: r.data_len,

@@ -20,13 +20,14 @@ use std::time::Duration;
 
 use mmserve_config::{ModelConfig, ModelDir};
 use mmserve_embed_cache::ArenaView;
+use mmserve_media::audio::{AudioLimits, WhisperFeatureExtractor};
 use mmserve_media::{ImageLimits, ImageProcessor};
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncoderClient, EngineClient, deadline, transport};
 use mmserve_text::{ChatTemplate, TextTokenizer};
 
 use crate::fetch::FetchPolicy;
-use crate::media::MediaLimits;
+use crate::media::{MediaLimits, ModelMedia};
 use crate::state::{AppState, Timeouts};
 
 /// Flags of `mmserve api`.
@@ -97,6 +98,10 @@ pub struct MediaArgs {
     /// Most pixels of one image, read from its header before decoding.
     #[arg(long, env = "MMSERVE_MAX_IMAGE_PIXELS", default_value_t = 178_956_970)]
     pub max_image_pixels: u64,
+    /// Longest audio clip in seconds, read from the container header where it states a
+    /// length, else counted while decoding. The model hears the first 30 s.
+    #[arg(long, env = "MMSERVE_MAX_AUDIO_SECONDS", default_value_t = 600.0)]
+    pub max_audio_seconds: f64,
 }
 
 impl MediaArgs {
@@ -107,6 +112,7 @@ impl MediaArgs {
             format!("--max-item-bytes={}", self.max_item_bytes),
             format!("--max-items-per-request={}", self.max_items_per_request),
             format!("--max-image-pixels={}", self.max_image_pixels),
+            format!("--max-audio-seconds={}", self.max_audio_seconds),
             format!("--media-fetch-timeout-s={}", self.media_fetch_timeout_s),
             format!("--media-max-redirects={}", self.media_max_redirects),
             format!("--media-workers={}", self.media_workers),
@@ -135,10 +141,10 @@ pub enum ApiServiceError {
     Text(#[from] mmserve_text::TextError),
     #[error(transparent)]
     Media(#[from] mmserve_media::MediaError),
+    #[error("preprocessor_config.json: {0}")]
+    Audio(#[from] mmserve_media::audio::AudioError),
     #[error("the model directory has no preprocessor_config.json")]
     NoPreprocessor,
-    #[error("{0}")]
-    Unsupported(String),
     #[error("connecting to {service}: {message}")]
     Connect { service: &'static str, message: String },
     #[error("--allowed-local-media-path {path}: {source}")]
@@ -165,16 +171,19 @@ where
 /// Builds the shared state: the model's text side and clients of the three services.
 pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceError> {
     let dir = ModelDir::open(&args.model)?;
-    let ModelConfig::Llava(cfg) = &dir.config else {
-        return Err(ApiServiceError::Unsupported(format!(
-            "{}: the api serves LlavaForConditionalGeneration only so far",
-            args.model.display()
-        )));
-    };
     let tokenizer = TextTokenizer::from_dir(&dir)?;
     let template = ChatTemplate::new(dir.chat_template()?.ok_or(mmserve_text::TextError::NoChatTemplate)?, &tokenizer)?;
     let pp = dir.optional_json("preprocessor_config.json")?.ok_or(ApiServiceError::NoPreprocessor)?;
-    let processor = ImageProcessor::from_json(&pp)?;
+    let (model_media, item_token) = match &dir.config {
+        ModelConfig::Llava(cfg) => {
+            let processor = ImageProcessor::from_json(&pp)?;
+            (ModelMedia::Image { processor, model_tokens: cfg.image_token_count() as u32 }, cfg.image_token_index)
+        }
+        ModelConfig::Qwen2Audio(cfg) => {
+            let fe = WhisperFeatureExtractor::from_json(&pp)?;
+            (ModelMedia::Audio(fe), cfg.audio_token_index)
+        }
+    };
     let name = args.served_model_name.clone().unwrap_or_else(|| dir.name.clone());
     let local_root = match &args.media.allowed_local_media_path {
         Some(p) => {
@@ -184,7 +193,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
     };
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let workers = if args.media.media_workers == 0 { 2 * cores } else { args.media.media_workers };
-    let fingerprint = format!("{name};{}", processor.fingerprint());
+    let fingerprint = format!("{name};{}", model_media.fingerprint());
 
     let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
         .await
@@ -206,12 +215,12 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         name,
         tokenizer,
         template,
-        cfg.image_token_index,
-        cfg.image_token_count() as u32,
+        item_token,
         fingerprint,
         MediaLimits {
             max_items: args.media.max_items_per_request,
             image: ImageLimits { max_pixels: args.media.max_image_pixels },
+            audio: AudioLimits { max_seconds: args.media.max_audio_seconds, ..Default::default() },
             fetch: FetchPolicy {
                 allowed_domains: args.media.allowed_media_domains.clone(),
                 allow_all_domains: args.media.allow_all_media_domains,
@@ -222,7 +231,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
                 max_redirects: args.media.media_max_redirects,
             },
             cpu_slots: Arc::new(tokio::sync::Semaphore::new(workers)),
-            processor,
+            model: model_media,
         },
         info.max_model_len,
         (cache, encoder, engine),

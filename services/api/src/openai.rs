@@ -80,9 +80,20 @@ pub enum Content {
 pub enum Part {
     Text(String),
     ImageUrl(String),
+    Audio(AudioSource),
 }
 
-/// Parses one content part; anything but `text` and `image_url` is refused by name.
+/// Where an audio item's bytes are.
+#[derive(Debug, Clone)]
+pub enum AudioSource {
+    /// OpenAI's `input_audio`: base64 bytes and the container format (`wav`, `mp3`, …).
+    Inline { data: String, format: Option<String> },
+    /// `audio_url` (vLLM's extension): a `data:`, `http(s)://` or `file://` URL.
+    Url(String),
+}
+
+/// Parses one content part; anything but `text`, `image_url`, `input_audio` and
+/// `audio_url` is refused by name.
 pub fn parse_part(v: &Value, at: &str) -> Result<Part, String> {
     let kind =
         v.get("type").and_then(Value::as_str).ok_or_else(|| format!("{at}: a content part needs a string `type`"))?;
@@ -101,8 +112,27 @@ pub fn parse_part(v: &Value, at: &str) -> Result<Part, String> {
             url.map(|u| Part::ImageUrl(u.to_string()))
                 .ok_or_else(|| format!("{at}: an image_url part needs `image_url.url`"))
         }
-        "input_audio" | "audio_url" => Err(format!("{at}: this model accepts text and images, not audio")),
-        other => Err(format!("{at}: unsupported content part type {other:?} (supported: text, image_url)")),
+        "input_audio" => {
+            let obj = v.get("input_audio").ok_or_else(|| format!("{at}: an input_audio part needs `input_audio`"))?;
+            let data = obj
+                .get("data")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("{at}: input_audio needs base64 `data`"))?;
+            let format = obj.get("format").and_then(Value::as_str).map(str::to_string);
+            Ok(Part::Audio(AudioSource::Inline { data: data.to_string(), format }))
+        }
+        "audio_url" => {
+            let url = match v.get("audio_url") {
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(obj) => obj.get("url").and_then(Value::as_str),
+                None => None,
+            };
+            url.map(|u| Part::Audio(AudioSource::Url(u.to_string())))
+                .ok_or_else(|| format!("{at}: an audio_url part needs `audio_url.url`"))
+        }
+        other => Err(format!(
+            "{at}: unsupported content part type {other:?} (supported: text, image_url, input_audio, audio_url)"
+        )),
     }
 }
 
@@ -117,6 +147,7 @@ pub struct Usage {
 #[derive(Debug, Serialize)]
 pub struct PromptDetails {
     pub image_tokens: u64,
+    pub audio_tokens: u64,
 }
 
 #[derive(Debug, Serialize)]

@@ -1,17 +1,24 @@
 //! From OpenAI messages to prompt ids: messages in transformers' form, the chat
-//! template, the tokenizer, and each image placeholder expanded to its item's virtual
-//! token-id range.
+//! template, the tokenizer, and each media placeholder (`<image>`, `<|AUDIO|>`)
+//! expanded to its item's virtual token-id range.
 
 use mmserve_text::{ChatTemplate, TextTokenizer};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
-use crate::openai::{Content, Message, Part, parse_part};
+use crate::openai::{AudioSource, Content, Message, Part, parse_part};
 
-/// Messages as the template sees them, and the image URLs in order of appearance.
+/// A media item of the request, where its bytes are.
+#[derive(Debug, Clone)]
+pub enum ItemSource {
+    Image(String),
+    Audio(AudioSource),
+}
+
+/// Messages as the template sees them, and the media items in order of appearance.
 pub struct ParsedMessages {
     pub template_messages: Value,
-    pub image_urls: Vec<String>,
+    pub items: Vec<ItemSource>,
 }
 
 pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> {
@@ -19,7 +26,7 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
         return Err(ApiError::bad_param("messages", "`messages` must not be empty"));
     }
     let mut out = Vec::with_capacity(messages.len());
-    let mut image_urls = Vec::new();
+    let mut items = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
             return Err(ApiError::bad_param("messages", format!("messages[{i}]: unsupported role {:?}", m.role)));
@@ -37,8 +44,12 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
                     {
                         Part::Text(t) => v.push(json!({"type": "text", "text": t})),
                         Part::ImageUrl(url) => {
-                            image_urls.push(url);
+                            items.push(ItemSource::Image(url));
                             v.push(json!({"type": "image"}));
+                        }
+                        Part::Audio(src) => {
+                            items.push(ItemSource::Audio(src));
+                            v.push(json!({"type": "audio"}));
                         }
                     }
                 }
@@ -47,7 +58,7 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
         };
         out.push(json!({"role": m.role, "content": parts}));
     }
-    Ok(ParsedMessages { template_messages: Value::Array(out), image_urls })
+    Ok(ParsedMessages { template_messages: Value::Array(out), items })
 }
 
 /// Renders and tokenizes; returns the ids with placeholders still in place.
@@ -61,7 +72,7 @@ pub fn expand(ids: &[u32], placeholder: u32, ranges: &[(u64, u32)]) -> Result<Ve
     let found = ids.iter().filter(|&&t| t == placeholder).count();
     if found != ranges.len() {
         return Err(ApiError::bad(format!(
-            "the prompt has {found} image placeholders for {} images (do not write the model's image tag in text)",
+            "the prompt has {found} media placeholders for {} media items (do not write the model's media tags in text)",
             ranges.len()
         )));
     }

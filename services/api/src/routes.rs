@@ -95,7 +95,7 @@ fn usage(started: &Started, completion: u64) -> Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
         total_tokens: prompt + completion,
-        prompt_tokens_details: PromptDetails { image_tokens: started.image_tokens },
+        prompt_tokens_details: PromptDetails { image_tokens: started.image_tokens, audio_tokens: started.audio_tokens },
     }
 }
 

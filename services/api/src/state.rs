@@ -15,10 +15,9 @@ pub struct AppState {
     pub model_name: String,
     pub tokenizer: TextTokenizer,
     pub template: ChatTemplate,
-    /// The id the chat template writes for one image.
-    pub image_token: u32,
-    pub tokens_per_image: u32,
-    /// Everything besides the bytes that changes an image's embedding.
+    /// The id the chat template writes for one media item (`<image>`, `<|AUDIO|>`).
+    pub item_token: u32,
+    /// Everything besides the bytes that changes an item's embedding.
     pub fingerprint: String,
     pub limits: MediaLimits,
     pub max_model_len: u64,
@@ -65,8 +64,7 @@ impl AppState {
         model_name: String,
         tokenizer: TextTokenizer,
         template: ChatTemplate,
-        image_token: u32,
-        tokens_per_image: u32,
+        item_token: u32,
         fingerprint: String,
         limits: MediaLimits,
         max_model_len: u64,
@@ -79,8 +77,7 @@ impl AppState {
             model_name,
             tokenizer,
             template,
-            image_token,
-            tokens_per_image,
+            item_token,
             fingerprint,
             limits,
             max_model_len,

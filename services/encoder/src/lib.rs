@@ -7,6 +7,7 @@
 //! never encoded twice.
 
 mod service;
+mod tower;
 mod worker;
 
 use std::path::PathBuf;
@@ -48,6 +49,10 @@ pub enum EncoderServiceError {
     NoPreprocessor,
     #[error("preprocessing makes {got}×{got} images but the vision tower takes {want}×{want}")]
     SizeMismatch { got: usize, want: usize },
+    #[error("{0}")]
+    Mismatch(String),
+    #[error("preprocessor_config.json: {0}")]
+    Audio(#[from] mmserve_media::audio::AudioError),
     #[error("connecting to the embed cache: {0}")]
     Cache(String),
     #[error(transparent)]

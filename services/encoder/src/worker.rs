@@ -4,17 +4,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
 use mmserve_config::ModelDir;
 use mmserve_embed_cache::ArenaView;
-use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
-use mmserve_models::LlavaVision;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, deadline};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
 use crate::service::{ItemFailure, Shared};
+use crate::tower::{Input, Tower};
 use crate::{EncoderArgs, EncoderServiceError};
 
 pub(crate) struct Job {
@@ -22,9 +20,7 @@ pub(crate) struct Job {
 }
 
 pub(crate) struct Worker {
-    vision: LlavaVision,
-    processor: ClipImageProcessor,
-    limits: ImageLimits,
+    tower: Tower,
     arena: ArenaView,
     cache: Arc<CacheConnection>,
     shared: Arc<Shared>,
@@ -42,23 +38,14 @@ impl Worker {
         cache: Arc<CacheConnection>,
         shared: Arc<Shared>,
     ) -> Result<Self, EncoderServiceError> {
-        let dir = ModelDir::open(&args.model)?;
-        let pp = dir.optional_json("preprocessor_config.json")?.ok_or(EncoderServiceError::NoPreprocessor)?;
-        let processor = ClipImageProcessor::from_json(&pp)?;
-        let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32)?;
-        let (h, w) = processor.output_size();
-        if h != vision.image_size() || w != vision.image_size() {
-            return Err(EncoderServiceError::SizeMismatch { got: h.max(w), want: vision.image_size() });
-        }
+        let tower = Tower::load(&ModelDir::open(&args.model)?)?;
         let info = cache
             .call(|c| async move { c.arena(deadline(crate::CONNECT_TIMEOUT)).await })
             .await
             .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
         let arena = ArenaView::open(&info)?;
         Ok(Worker {
-            vision,
-            processor,
-            limits: ImageLimits::default(),
+            tower,
             arena,
             cache,
             shared,
@@ -146,15 +133,15 @@ impl Worker {
 
         // Preprocess what still needs encoding; bad items fail alone.
         let mut todo = Vec::new();
-        let mut pixels = Vec::new();
+        let mut inputs = Vec::new();
         for (item, ready) in batch.into_iter().zip(ready) {
             if ready {
                 self.shared.finish(item.id, Ok(()));
                 continue;
             }
             match self.preprocess(&item) {
-                Ok(p) => {
-                    pixels.extend_from_slice(&p);
+                Ok(input) => {
+                    inputs.push(input);
                     todo.push(item);
                 }
                 Err(f) => self.shared.finish(item.id, Err(f)),
@@ -163,7 +150,7 @@ impl Worker {
         if todo.is_empty() {
             return;
         }
-        if let Err(f) = self.run_tower(&todo, pixels) {
+        if let Err(f) = self.run_tower(&todo, inputs) {
             return self.fail_all(&todo, f);
         }
         let ids: Vec<u64> = todo.iter().map(|i| i.id).collect();
@@ -181,30 +168,23 @@ impl Worker {
         }
     }
 
-    fn preprocess(&self, item: &EncodeItem) -> Result<Vec<f32>, ItemFailure> {
+    fn preprocess(&self, item: &EncodeItem) -> Result<Input, ItemFailure> {
         let bytes = self.arena.read_data(item.data_offset, item.data_len).map_err(internal)?;
-        let img = decode_image(&bytes, &self.limits).map_err(|e| ItemFailure::Bad(e.to_string()))?;
-        self.processor.preprocess(&img).map_err(|e| ItemFailure::Bad(e.to_string()))
+        self.tower.prepare(&bytes).map_err(ItemFailure::Bad)
     }
 
-    fn run_tower(&self, items: &[EncodeItem], pixels: Vec<f32>) -> Result<(), ItemFailure> {
-        let s = self.vision.image_size();
-        let input = Tensor::from_vec(pixels, (items.len(), 3, s, s), &Device::Cpu).map_err(internal)?;
-        let out = self.vision.encode(&input).map_err(internal)?;
-        let rows = out.to_dtype(DType::F32).and_then(|t| t.to_vec3::<f32>()).map_err(internal)?;
+    fn run_tower(&self, items: &[EncodeItem], inputs: Vec<Input>) -> Result<(), ItemFailure> {
+        let rows = self.tower.run(inputs).map_err(internal)?;
+        let width = self.arena.row_len();
         for (item, rows) in items.iter().zip(rows) {
-            if rows.len() != item.token_num as usize {
+            if rows.len() != item.token_num as usize * width {
                 return Err(internal(format!(
-                    "the tower made {} rows for an item of {} tokens",
+                    "the tower made {} values for an item of {} tokens of {width}",
                     rows.len(),
                     item.token_num
                 )));
             }
-            let flat: Vec<f32> = rows.into_iter().flatten().collect();
-            if flat.len() != item.token_num as usize * self.arena.row_len() {
-                return Err(internal("embedding width differs from the arena's"));
-            }
-            self.arena.write_rows(item.start_index, &flat).map_err(internal)?;
+            self.arena.write_rows(item.start_index, &rows).map_err(internal)?;
         }
         Ok(())
     }

@@ -214,20 +214,46 @@ impl WhisperFeatureExtractor {
             *v = (v.max(floor) + 4.0) / 4.0;
         }
 
-        let valid_frames = used.div_ceil(hop).min(n_frames);
+        let valid_frames = self.valid_frames(used);
         let attention_mask = (0..n_frames).map(|t| i32::from(t < valid_frames)).collect();
         Features { input_features: out, attention_mask, valid_frames, n_mels, n_frames, samples: used }
+    }
+
+    /// Every setting that changes the features, for cache keys.
+    pub fn fingerprint(&self) -> String {
+        format!(
+            "whisper:mels={},rate={},hop={},nfft={},samples={},frames={},pad={}",
+            self.feature_size,
+            self.sampling_rate,
+            self.hop_length,
+            self.n_fft,
+            self.n_samples,
+            self.nb_max_frames,
+            self.padding_value
+        )
+    }
+
+    /// Feature frames that `samples` samples fill (the attention mask's ones), after the
+    /// truncation to `n_samples`.
+    pub fn valid_frames(&self, samples: usize) -> usize {
+        samples.min(self.n_samples).div_ceil(self.hop_length).min(self.nb_max_frames)
     }
 
     /// Qwen2-Audio's token count for `features`, refusing a clip too short to yield one token
     /// (transformers would silently drop the audio).
     pub fn qwen2_audio_tokens_checked(&self, features: &Features) -> Result<usize, AudioError> {
-        match qwen2_audio_tokens(features.valid_frames) {
+        self.qwen2_audio_tokens_for(features.samples)
+    }
+
+    /// As [`qwen2_audio_tokens_checked`](Self::qwen2_audio_tokens_checked), from the clip's
+    /// length in samples (at `sampling_rate`) alone: no features needed.
+    pub fn qwen2_audio_tokens_for(&self, samples: usize) -> Result<usize, AudioError> {
+        match qwen2_audio_tokens(self.valid_frames(samples)) {
             0 => {
                 // 3 frames give the first token; they need more than 2 hops of samples.
                 let rate = f64::from(self.sampling_rate);
                 Err(AudioError::TooShort {
-                    seconds: features.samples as f64 / rate,
+                    seconds: samples.min(self.n_samples) as f64 / rate,
                     min_seconds: (2 * self.hop_length + 1) as f64 / rate,
                 })
             }

@@ -1,0 +1,98 @@
+//! The encoder's model, by modality: what turns an item's bytes from the data arena
+//! into the tower's input, and a batch of inputs into embedding rows. A new modality
+//! plugs in here (its preprocessing and its tower) and nowhere else in the encoder.
+
+use candle_core::{DType, Device, Tensor};
+use mmserve_config::{ModelConfig, ModelDir};
+use mmserve_media::audio::WhisperFeatureExtractor;
+use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
+use mmserve_models::{LlavaVision, Qwen2AudioEncoder};
+
+use crate::EncoderServiceError;
+
+pub(crate) enum Tower {
+    /// LLaVA: the image file → CLIP pixels → vision tower and projector.
+    Vision { model: LlavaVision, processor: ClipImageProcessor, limits: ImageLimits },
+    /// Qwen2-Audio: 16 kHz mono samples (decoded by the api) → log-mel features →
+    /// audio tower, pooling and projector.
+    Audio { model: Qwen2AudioEncoder, features: WhisperFeatureExtractor },
+}
+
+/// One item's tower input.
+pub(crate) struct Input {
+    values: Vec<f32>,
+    /// Audio: mel frames that hold the clip (the rest is padding).
+    valid_frames: usize,
+}
+
+impl Tower {
+    pub(crate) fn load(dir: &ModelDir) -> Result<Self, EncoderServiceError> {
+        let pp = dir.optional_json("preprocessor_config.json")?.ok_or(EncoderServiceError::NoPreprocessor)?;
+        match &dir.config {
+            ModelConfig::Llava(_) => {
+                let processor = ClipImageProcessor::from_json(&pp)?;
+                let model = LlavaVision::load(dir, &Device::Cpu, DType::F32)?;
+                let (h, w) = processor.output_size();
+                if h != model.image_size() || w != model.image_size() {
+                    return Err(EncoderServiceError::SizeMismatch { got: h.max(w), want: model.image_size() });
+                }
+                Ok(Tower::Vision { model, processor, limits: ImageLimits::default() })
+            }
+            ModelConfig::Qwen2Audio(cfg) => {
+                let features = WhisperFeatureExtractor::from_json(&pp)?;
+                let frames = cfg.audio.max_mel_frames();
+                if features.feature_size != cfg.audio.num_mel_bins || features.nb_max_frames != frames {
+                    return Err(EncoderServiceError::Mismatch(format!(
+                        "the feature extractor makes {}×{} features; the audio tower takes {}×{frames}",
+                        features.feature_size, features.nb_max_frames, cfg.audio.num_mel_bins
+                    )));
+                }
+                Ok(Tower::Audio { model: Qwen2AudioEncoder::load(dir, &Device::Cpu, DType::F32)?, features })
+            }
+        }
+    }
+
+    /// The tower input of an item whose data is `bytes`; an error says why the item is bad.
+    pub(crate) fn prepare(&self, bytes: &[u8]) -> Result<Input, String> {
+        match self {
+            Tower::Vision { processor, limits, .. } => {
+                let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
+                let values = processor.preprocess(&img).map_err(|e| e.to_string())?;
+                Ok(Input { values, valid_frames: 0 })
+            }
+            Tower::Audio { features, .. } => {
+                if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
+                    return Err(format!("{} bytes are not 32-bit samples", bytes.len()));
+                }
+                let samples: Vec<f32> =
+                    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                let f = features.extract(&samples);
+                Ok(Input { values: f.input_features, valid_frames: f.valid_frames })
+            }
+        }
+    }
+
+    /// Embedding rows of each input, flattened ([tokens × hidden] per item), in order.
+    pub(crate) fn run(&self, inputs: Vec<Input>) -> Result<Vec<Vec<f32>>, String> {
+        let n = inputs.len();
+        let flat = |t: Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+        let out = match self {
+            Tower::Vision { model, .. } => {
+                let s = model.image_size();
+                let pixels: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
+                let input = Tensor::from_vec(pixels, (n, 3, s, s), &Device::Cpu).map_err(|e| e.to_string())?;
+                let rows = model.encode(&input).map_err(|e| e.to_string())?;
+                (0..n).map(|i| flat(rows.get(i)?)).collect::<candle_core::Result<Vec<_>>>()
+            }
+            Tower::Audio { model, features } => {
+                let valid: Vec<usize> = inputs.iter().map(|i| i.valid_frames).collect();
+                let values: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
+                let shape = (n, features.feature_size, features.nb_max_frames);
+                let input = Tensor::from_vec(values, shape, &Device::Cpu).map_err(|e| e.to_string())?;
+                let rows = model.encode(&input, &valid).map_err(|e| e.to_string())?;
+                rows.into_iter().map(flat).collect::<candle_core::Result<Vec<_>>>()
+            }
+        };
+        out.map_err(|e| e.to_string())
+    }
+}
