@@ -23,6 +23,8 @@ pub enum Bench {
     Preprocess(PreprocessBench),
     /// The serving engine through `mmserve serve`: throughput, scheduler time, TTFT.
     Engine(crate::bench_engine::EngineBench),
+    /// The model code alone on a device: decode, prefill, vision tower, against ceilings.
+    Model(crate::bench_model::ModelBench),
 }
 
 #[derive(Debug, clap::Args)]
@@ -109,6 +111,7 @@ pub async fn run(bench: Bench) -> anyhow::Result<()> {
         Bench::Cache(b) => cache(b).await,
         Bench::Preprocess(b) => preprocess(b),
         Bench::Engine(b) => crate::bench_engine::run(b).await,
+        Bench::Model(b) => crate::bench_model::run(b),
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_engine;
+mod bench_model;
 mod cache_cli;
 mod preprocess;
 mod serve;

@@ -84,6 +84,8 @@ pub fn parse_dtype(name: &str) -> Result<DType, ModelError> {
 pub struct Weights {
     vb: VarBuilder<'static>,
     naming: Naming,
+    /// Made up on request ([`crate::LoadFormat::Dummy`]): tensors need their shape.
+    dummy: bool,
 }
 
 impl Weights {
@@ -115,7 +117,11 @@ impl Weights {
                 Naming::V5.language_model()
             )));
         };
-        Ok(Weights { vb, naming })
+        Ok(Weights { vb, naming, dummy: false })
+    }
+
+    pub(crate) fn from_var_builder(vb: VarBuilder<'static>, dummy: bool) -> Self {
+        Weights { vb, naming: Naming::Hub, dummy }
     }
 
     pub fn naming(&self) -> Naming {
@@ -131,7 +137,7 @@ impl Weights {
     }
 
     fn scope(&self, prefix: &str) -> Scope {
-        Scope(self.vb.pp(prefix))
+        Scope(self.vb.pp(prefix), self.dummy)
     }
 
     /// `LlamaModel`: embed_tokens, layers, norm.
@@ -162,11 +168,11 @@ impl Weights {
 
 /// A name prefix within a checkpoint, with shape-checked loaders.
 #[derive(Clone)]
-pub(crate) struct Scope(VarBuilder<'static>);
+pub(crate) struct Scope(VarBuilder<'static>, bool);
 
 impl Scope {
     pub(crate) fn pp(&self, name: impl ToString) -> Scope {
-        Scope(self.0.pp(name))
+        Scope(self.0.pp(name), self.1)
     }
 
     pub(crate) fn contains(&self, name: &str) -> bool {
@@ -185,8 +191,11 @@ impl Scope {
         if !self.contains(name) {
             return Err(ModelError::MissingTensor(self.full_name(name)));
         }
-        let t = self.0.get_unchecked(name)?;
         let shape = shape.into();
+        if self.1 {
+            return Ok(self.0.get(shape, name)?);
+        }
+        let t = self.0.get_unchecked(name)?;
         if t.shape() != &shape {
             return Err(ModelError::ShapeMismatch {
                 name: self.full_name(name),

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One run on the GPU machine (see ../shared/gpu/README.md): parity of the fixture on
+# the GPU, mmserve's model benchmark of llava-1.5-7b's shapes (dummy bf16 weights), and
+# transformers' figures for the same model in the same call. Build first, here:
+#   ../shared/gpu/build-cuda.sh build --bin mmserve --features cuda
+# then run with the .gpu folder carried:  bash benches/gpu/run.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/mmserve-gpu}
+mkdir -p "$OUT"
+bin=.gpu/bin/mmserve
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "== fixture parity on the GPU (f32, then bf16)"
+timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dtype float32 --parity \
+  --batches 1,8 --prompt 32 --output 8 --prefill 256 --images 1,4 --repeats 3
+timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dtype bfloat16 --parity \
+  --batches 1 --prompt 32 --output 8 --prefill 0 --images 1 --repeats 3
+echo "== llava-1.5-7b shapes, dummy bf16 weights"
+timeout 420 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy --device cuda \
+  --dtype bfloat16 --json | tee "$OUT/mmserve_llava7b.jsonl"
+echo "== transformers, same model, same machine"
+timeout 420 python3 benches/gpu/hf_llava_baseline.py

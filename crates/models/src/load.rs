@@ -1,0 +1,121 @@
+//! Where weights come from and where they run: `--load-format` (the checkpoint's
+//! safetensors, or random weights for benchmarking a real-sized model from its
+//! `config.json` alone), `--device` and `--dtype`.
+
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use mmserve_config::ModelDir;
+
+use crate::ModelError;
+use crate::weights::{Weights, parse_dtype};
+
+/// `--load-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadFormat {
+    /// The model directory's safetensors files.
+    #[default]
+    Safetensors,
+    /// Uniform random weights in ±1e-3 made on the device, every tensor the model asks
+    /// for (as vLLM's `dummy`): speed measurements of models we cannot download.
+    Dummy,
+}
+
+impl std::str::FromStr for LoadFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "safetensors" | "auto" => Ok(LoadFormat::Safetensors),
+            "dummy" => Ok(LoadFormat::Dummy),
+            other => Err(format!("load format {other:?} (safetensors or dummy)")),
+        }
+    }
+}
+
+impl std::fmt::Display for LoadFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LoadFormat::Safetensors => "safetensors",
+            LoadFormat::Dummy => "dummy",
+        })
+    }
+}
+
+/// Uniform(−1e-3, 1e-3) tensors of whatever shape is asked for.
+struct DummyBackend;
+
+impl SimpleBackend for DummyBackend {
+    fn get(&self, s: Shape, _: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        Tensor::rand(-1e-3f32, 1e-3, s, dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("dummy weights need a shape ({name})")
+    }
+
+    fn contains_tensor(&self, _: &str) -> bool {
+        true
+    }
+}
+
+impl Weights {
+    /// The weights of `dir` in `format`, as `dtype` on `device`.
+    pub fn load(dir: &ModelDir, format: LoadFormat, device: &Device, dtype: DType) -> Result<Self, ModelError> {
+        match format {
+            LoadFormat::Safetensors => Weights::open(&dir.weight_files()?, device, dtype),
+            LoadFormat::Dummy => {
+                let vb = candle_nn::VarBuilder::from_backend(Box::new(DummyBackend), dtype, device.clone());
+                Ok(Weights::from_var_builder(vb, true))
+            }
+        }
+    }
+}
+
+/// `--device`: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+pub fn parse_device(name: &str) -> Result<Device, ModelError> {
+    let cuda = match name {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => 0,
+        other => other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| ModelError::Unsupported(format!("device {other:?} (cpu, cuda or cuda:N)")))?,
+    };
+    if !cfg!(feature = "cuda") {
+        return Err(ModelError::Unsupported(format!("device {name:?}: this build has no CUDA (feature `cuda`)")));
+    }
+    Ok(Device::new_cuda(cuda)?)
+}
+
+/// The device when none is named: the first GPU in a CUDA build, else the CPU.
+pub fn default_device_name() -> &'static str {
+    if cfg!(feature = "cuda") { "cuda" } else { "cpu" }
+}
+
+/// `--dtype`: `auto` takes the checkpoint's dtype (`config.json`) on a GPU and float32
+/// on the CPU (where half precision is slow and only emulated); otherwise the named one.
+pub fn resolve_dtype(name: &str, config_dtype: &str, device: &Device) -> Result<DType, ModelError> {
+    match name {
+        "auto" if device.is_cpu() => Ok(DType::F32),
+        "auto" => parse_dtype(config_dtype),
+        other => parse_dtype(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_and_dtypes() {
+        assert!(parse_device("cpu").unwrap().is_cpu());
+        assert!(parse_device("gpu").is_err());
+        if !cfg!(feature = "cuda") {
+            let e = parse_device("cuda:1").unwrap_err().to_string();
+            assert!(e.contains("no CUDA"), "{e}");
+        }
+        assert_eq!(resolve_dtype("auto", "bfloat16", &Device::Cpu).unwrap(), DType::F32);
+        assert_eq!(resolve_dtype("float16", "bfloat16", &Device::Cpu).unwrap(), DType::F16);
+        assert!(resolve_dtype("int8", "bfloat16", &Device::Cpu).is_err());
+    }
+}

@@ -1,0 +1,306 @@
+//! `mmserve bench model`: the model code alone on a device, with no services around it
+//! — the figures the GPU work is judged by. For a LLaVA-1.5 directory (real weights, or
+//! `--load-format dummy` from `config.json` alone):
+//! - decode tokens/s at several batch sizes (greedy, over the paged KV pool), and the
+//!   share of the memory roofline: bytes one step must read (weights + KV) over
+//!   `--peak-bandwidth`;
+//! - prefill tokens/s of one long prompt, and the share of `--peak-flops`;
+//! - vision tower + projector images/s at several batch sizes, and the share of peak.
+//!
+//! Times are device-synchronised wall clock, the median of `--repeats` after a warm-up.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use candle_core::{D, DType, Device, Tensor};
+use mmserve_config::{LlamaConfig, ModelConfig, ModelDir};
+use mmserve_models::{Llama, LlavaVision, LoadFormat, PagedKv, PagedSeq, Weights};
+use serde_json::json;
+
+#[derive(Debug, clap::Args)]
+pub struct ModelBench {
+    /// Model directory (LLaVA-1.5).
+    #[arg(long, default_value = "assets/models/llava-tiny")]
+    pub model: PathBuf,
+    /// `safetensors`, or `dummy` (random weights from config.json).
+    #[arg(long, default_value = "safetensors")]
+    pub load_format: LoadFormat,
+    /// `cpu`, `cuda` or `cuda:N` (default: the GPU in a CUDA build).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// `auto` (the checkpoint's on a GPU, float32 on the CPU), `bfloat16`, `float16`, `float32`.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// Decode batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub batches: Vec<usize>,
+    /// Prompt tokens per sequence before decoding.
+    #[arg(long, default_value_t = 512)]
+    pub prompt: usize,
+    /// Decode steps timed.
+    #[arg(long, default_value_t = 128)]
+    pub output: usize,
+    /// Tokens of the prefill measurement (0: skip).
+    #[arg(long, default_value_t = 2048)]
+    pub prefill: usize,
+    /// Vision batch sizes, comma-separated (empty: skip).
+    #[arg(long, value_delimiter = ',', default_value = "1,32")]
+    pub images: Vec<usize>,
+    /// Timed repeats of the prefill and vision measurements.
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// KV block size.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Memory bandwidth ceiling, bytes/s (H200: device copy measured at 4.3 TB/s).
+    #[arg(long, default_value_t = 4.3e12)]
+    pub peak_bandwidth: f64,
+    /// Matmul ceiling, FLOP/s (H200: bf16 8192³ measured at 790 TFLOP/s).
+    #[arg(long, default_value_t = 790e12)]
+    pub peak_flops: f64,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also run the fixture's reference prompt (the directory's `reference.safetensors`)
+    /// and compare the logits and greedy tokens with transformers'.
+    #[arg(long)]
+    pub parity: bool,
+}
+
+fn sync(device: &Device) -> anyhow::Result<()> {
+    Ok(device.synchronize()?)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Parameters of the LM: (the decoder layers and final norm, the LM head). The
+/// embedding table (as large as the head) is only gathered from.
+fn lm_params(c: &LlamaConfig) -> (f64, f64) {
+    let (h, i, d) = (c.hidden_size as f64, c.intermediate_size as f64, c.head_dim as f64);
+    let (nh, nkv) = (c.num_attention_heads as f64, c.num_key_value_heads as f64);
+    let attn = h * nh * d * 2.0 + h * nkv * d * 2.0;
+    let layer = attn + 3.0 * h * i + 2.0 * h;
+    (c.num_hidden_layers as f64 * layer + h, c.vocab_size as f64 * h)
+}
+
+pub fn run(b: ModelBench) -> anyhow::Result<()> {
+    let dir = ModelDir::open(&b.model)?;
+    let ModelConfig::Llava(cfg) = &dir.config else { bail!("bench model measures LLaVA-1.5 directories") };
+    let device = mmserve_models::parse_device(b.device.as_deref().unwrap_or(mmserve_models::default_device_name()))?;
+    let dtype = mmserve_models::resolve_dtype(&b.dtype, dir.config.dtype(), &device)?;
+    let t0 = Instant::now();
+    let weights = Weights::load(&dir, b.load_format, &device, dtype)?;
+    let llama = Llama::from_weights(&weights, &cfg.text)?;
+    sync(&device)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let (layers, head) = lm_params(&cfg.text);
+    let elem = dtype.size_in_bytes() as f64;
+    let mut rows = Vec::new();
+    let note = |rows: &mut Vec<serde_json::Value>, v: serde_json::Value| {
+        if b.json {
+            println!("{v}");
+        }
+        rows.push(v);
+    };
+    note(
+        &mut rows,
+        json!({"model": dir.name, "device": format!("{device:?}"), "dtype": format!("{dtype:?}"),
+               "load_format": b.load_format.to_string(), "lm_params": layers + 2.0 * head, "load_s": load_s}),
+    );
+
+    if b.parity {
+        let v = parity(&dir, cfg, &weights, &llama)?;
+        note(&mut rows, v);
+    }
+
+    // Decode.
+    let t = &cfg.text;
+    let kv_per_token = 2.0 * t.num_hidden_layers as f64 * t.num_key_value_heads as f64 * t.head_dim as f64 * elem;
+    for &batch in &b.batches {
+        let per_seq = (b.prompt + b.output).div_ceil(b.block_size);
+        let mut kv = PagedKv::new(&llama, batch * per_seq, b.block_size, dtype)?;
+        let tables: Vec<Vec<u32>> =
+            (0..batch).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
+        // Prefill every sequence (in groups of at most 8192 tokens), keep the last logits.
+        let ids: Vec<u32> = (0..b.prompt).map(|i| (i * 7919 % (t.vocab_size - 1)) as u32 + 1).collect();
+        let group = (8192 / b.prompt.max(1)).max(1);
+        let mut next = Vec::with_capacity(batch);
+        for chunk in (0..batch).collect::<Vec<_>>().chunks(group) {
+            let embeds = Tensor::cat(&vec![llama.embed_tokens(&ids)?; chunk.len()], 0)?;
+            let seqs: Vec<PagedSeq<'_>> =
+                chunk.iter().map(|&s| PagedSeq { start: 0, new_tokens: b.prompt, block_table: &tables[s] }).collect();
+            let logits = llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
+            next.extend(logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?);
+        }
+        sync(&device)?;
+        let start = Instant::now();
+        for step in 0..b.output {
+            let embeds = llama.embed_tokens(&next)?;
+            let seqs: Vec<PagedSeq<'_>> = (0..batch)
+                .map(|s| PagedSeq { start: b.prompt + step, new_tokens: 1, block_table: &tables[s] })
+                .collect();
+            let logits = llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
+            next = logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+        }
+        sync(&device)?;
+        let secs = start.elapsed().as_secs_f64();
+        let step = secs / b.output as f64;
+        let context = b.prompt as f64 + b.output as f64 / 2.0;
+        // Read per step: the layers, the LM head, and every sequence's keys and values.
+        let bytes = (layers + head) * elem + batch as f64 * context * kv_per_token;
+        let ideal = bytes / b.peak_bandwidth;
+        note(
+            &mut rows,
+            json!({"decode_batch": batch, "tokens_per_s": batch as f64 * b.output as f64 / secs,
+                   "step_ms": step * 1e3, "roofline_step_ms": ideal * 1e3, "roofline_share": ideal / step}),
+        );
+    }
+
+    // Prefill of one long prompt.
+    if b.prefill > 0 {
+        let blocks = b.prefill.div_ceil(b.block_size);
+        let mut kv = PagedKv::new(&llama, blocks, b.block_size, dtype)?;
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let ids: Vec<u32> = (0..b.prefill).map(|i| (i * 104729 % (t.vocab_size - 1)) as u32 + 1).collect();
+        let embeds = llama.embed_tokens(&ids)?;
+        let seqs = [PagedSeq { start: 0, new_tokens: b.prefill, block_table: &table }];
+        let mut times = Vec::new();
+        for i in 0..=b.repeats {
+            sync(&device)?;
+            let start = Instant::now();
+            llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
+            sync(&device)?;
+            if i > 0 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        let secs = median(times);
+        let n = b.prefill as f64;
+        let attn = 4.0 * t.num_hidden_layers as f64 * (t.num_attention_heads * t.head_dim) as f64 * n * (n + 1.0) / 2.0;
+        // Logits of the last position only.
+        let flops = 2.0 * layers * n + 2.0 * head + attn;
+        note(
+            &mut rows,
+            json!({"prefill_tokens": b.prefill, "seconds": secs, "tokens_per_s": n / secs,
+                   "tflops": flops / secs / 1e12, "peak_share": flops / secs / b.peak_flops}),
+        );
+    }
+
+    // Vision tower + projector.
+    if !b.images.is_empty() {
+        let vision = LlavaVision::from_weights(&weights, cfg)?;
+        let v = &cfg.vision;
+        let s = v.image_size;
+        let tokens = (v.patches_per_side() * v.patches_per_side() + 1) as f64;
+        let layers = vision.tower().num_layers() as f64;
+        let (vh, vi, th) = (v.hidden_size as f64, v.intermediate_size as f64, t.hidden_size as f64);
+        let per_image = layers * (2.0 * tokens * (4.0 * vh * vh + 2.0 * vh * vi) + 4.0 * tokens * tokens * vh)
+            + 2.0 * (tokens - 1.0) * (3.0 * (v.patch_size * v.patch_size) as f64) * vh
+            + 2.0 * vision.tokens_per_image() as f64 * (vh * th + th * th);
+        for &n in &b.images {
+            let pixels = Tensor::rand(-1f32, 1f32, (n, 3, s, s), &device)?;
+            let mut times = Vec::new();
+            for i in 0..=b.repeats {
+                sync(&device)?;
+                let start = Instant::now();
+                vision.encode(&pixels)?;
+                sync(&device)?;
+                if i > 0 {
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+            let secs = median(times);
+            let flops = per_image * n as f64;
+            note(
+                &mut rows,
+                json!({"vision_batch": n, "images_per_s": n as f64 / secs, "seconds": secs,
+                       "tflops": flops / secs / 1e12, "peak_share": flops / secs / b.peak_flops}),
+            );
+        }
+    }
+    if !b.json {
+        print_table(&rows).context("printing")?;
+    }
+    Ok(())
+}
+
+fn print_table(rows: &[serde_json::Value]) -> anyhow::Result<()> {
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    for r in rows {
+        if let Some(batch) = r.get("decode_batch") {
+            println!(
+                "decode  batch {batch:>3}: {:>9.1} tok/s  step {:>8.3} ms  roofline {:>7.3} ms  ({:>5.1}% of roofline)",
+                f(r, "tokens_per_s"),
+                f(r, "step_ms"),
+                f(r, "roofline_step_ms"),
+                100.0 * f(r, "roofline_share")
+            );
+        } else if let Some(n) = r.get("prefill_tokens") {
+            println!(
+                "prefill {n:>5} tokens: {:>9.1} tok/s  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak)",
+                f(r, "tokens_per_s"),
+                1e3 * f(r, "seconds"),
+                f(r, "tflops"),
+                100.0 * f(r, "peak_share")
+            );
+        } else if let Some(n) = r.get("vision_batch") {
+            println!(
+                "vision  batch {n:>3}: {:>9.1} img/s  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak)",
+                f(r, "images_per_s"),
+                1e3 * f(r, "seconds"),
+                f(r, "tflops"),
+                100.0 * f(r, "peak_share")
+            );
+        } else {
+            println!("{r}");
+        }
+    }
+    Ok(())
+}
+
+/// With `--parity` on a fixture directory (it holds `reference.safetensors`): the
+/// fixture's image prompt through the vision tower, the merge and the LM on the chosen
+/// device and dtype, against transformers' logits; then 8 greedy tokens.
+fn parity(
+    dir: &ModelDir,
+    cfg: &mmserve_config::LlavaConfig,
+    weights: &Weights,
+    llama: &Llama,
+) -> anyhow::Result<serde_json::Value> {
+    use mmserve_models::{SeqInput, merge_image_embeddings};
+    let device = llama.device().clone();
+    let reference = candle_core::safetensors::load(dir.path("reference.safetensors"), &device)?;
+    let get = |name: &str| reference.get(name).cloned().with_context(|| format!("reference has no {name}"));
+    let ids: Vec<u32> = get("input_ids")?.to_dtype(DType::U32)?.to_vec1()?;
+    let vision = LlavaVision::from_weights(weights, cfg)?;
+    let image = vision.encode(&get("pixel_values")?)?;
+    let embeds = merge_image_embeddings(llama, &ids, cfg.image_token_index, &image)?;
+    let mut cache = llama.new_cache();
+    let logits = llama.forward(&embeds, &mut [SeqInput { new_tokens: ids.len(), cache: &mut cache }], true)?;
+    let want = get("logits")?;
+    let diff = |a: &Tensor, b: &Tensor| -> anyhow::Result<(f32, f32)> {
+        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+        let abs = (&a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        Ok((abs, abs / scale.max(f32::MIN_POSITIVE)))
+    };
+    let (abs, rel) = diff(&logits, &want)?;
+    // Greedy with the KV cache, as generate() runs.
+    let want_ids: Vec<u32> = get("generated_ids")?.to_dtype(DType::U32)?.to_vec1()?;
+    let mut cache = llama.new_cache();
+    let mut input = embeds;
+    let mut got = Vec::new();
+    for _ in 0..want_ids.len() {
+        let n = input.dim(0)?;
+        let row = llama.forward(&input, &mut [SeqInput { new_tokens: n, cache: &mut cache }], false)?;
+        let next = row.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?[0];
+        got.push(next);
+        input = llama.embed_tokens(&[next])?;
+    }
+    Ok(json!({"parity_logits_max_abs": abs, "parity_logits_max_rel": rel, "greedy_identical": got == want_ids,
+              "greedy": got, "greedy_reference": want_ids}))
+}
