@@ -289,6 +289,15 @@ fn parity(
         Ok((abs, abs / scale.max(f32::MIN_POSITIVE)))
     };
     let (abs, rel) = diff(&logits, &want)?;
+    // The same prompt through the paged path (our KV-write kernel on a GPU).
+    let bs = 16;
+    let blocks = ids.len().div_ceil(bs);
+    let mut kv = PagedKv::new(llama, blocks, bs, llama.dtype())?;
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let seqs = [PagedSeq { start: 0, new_tokens: ids.len(), block_table: &table }];
+    let paged = llama.forward_paged(&embeds, &seqs, &mut kv, true)?;
+    let (paged_abs, paged_rel) = diff(&paged, &want)?;
+    let kernels_differing = mmserve_models::kv_write_self_test(&device)?;
     // Greedy with the KV cache, as generate() runs.
     let want_ids: Vec<u32> = get("generated_ids")?.to_dtype(DType::U32)?.to_vec1()?;
     let mut cache = llama.new_cache();
@@ -302,5 +311,7 @@ fn parity(
         input = llama.embed_tokens(&[next])?;
     }
     Ok(json!({"parity_logits_max_abs": abs, "parity_logits_max_rel": rel, "greedy_identical": got == want_ids,
+              "paged_logits_max_abs": paged_abs, "paged_logits_max_rel": paged_rel,
+              "kv_write_kernel_differs_for": kernels_differing,
               "greedy": got, "greedy_reference": want_ids}))
 }

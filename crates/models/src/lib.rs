@@ -11,6 +11,7 @@
 mod activation;
 mod clip;
 mod error;
+mod kv_write;
 mod llama;
 mod llava;
 mod load;
@@ -21,6 +22,7 @@ mod weights;
 pub use activation::Activation;
 pub use clip::ClipVisionTower;
 pub use error::ModelError;
+pub use kv_write::self_test as kv_write_self_test;
 pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
 pub use load::{LoadFormat, default_device_name, parse_device, resolve_dtype};

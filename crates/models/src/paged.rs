@@ -13,6 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::ModelError;
+use crate::kv_write::write_kv;
 use crate::llama::Llama;
 
 /// The KV pool of one model: per layer, K and V `[num_blocks, kv_heads, block_size, head_dim]`.
@@ -79,33 +80,25 @@ impl PagedKv {
         Ok(())
     }
 
-    /// Writes `k`, `v` [T, kv_heads, head_dim] of `layer` into the rows `rows` (one per
-    /// token and head, see [`row_indices`](Self::row_indices)).
-    fn write(&self, layer: usize, rows: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<()> {
-        let flat = (self.num_blocks * self.kv_heads * self.block_size, self.head_dim);
-        let src = |x: &Tensor| x.reshape((rows.dim(0)?, self.head_dim))?.to_dtype(self.dtype())?.contiguous();
-        // Reshaping a contiguous tensor shares its storage: the writes land in the pool.
-        self.k[layer].reshape(flat)?.scatter_set(rows, &src(k)?, 0)?;
-        self.v[layer].reshape(flat)?.scatter_set(rows, &src(v)?, 0)?;
-        Ok(())
+    /// Writes the new tokens' keys and values `k`, `v` [n, kv_heads, head_dim] of `layer`
+    /// at `slots` (see [`slots`](Self::slots)).
+    fn write(&self, layer: usize, slots: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<()> {
+        let src = |x: &Tensor| x.to_dtype(self.dtype())?.contiguous();
+        let err = |e: ModelError| candle_core::Error::Msg(e.to_string());
+        write_kv(&self.k[layer], &src(k)?, slots).map_err(err)?;
+        write_kv(&self.v[layer], &src(v)?, slots).map_err(err)
     }
 
-    /// Row indices (into the pool viewed as `[blocks · kv_heads · block_size, head_dim]`)
-    /// of every (new token, KV head), broadcast over `head_dim` for `scatter_set`.
-    fn row_indices(&self, seqs: &[PagedSeq<'_>], device: &Device) -> candle_core::Result<Tensor> {
-        let (bs, nkv, hd) = (self.block_size, self.kv_heads, self.head_dim);
-        let mut rows = Vec::new();
-        for s in seqs {
-            for p in s.start..s.start + s.new_tokens {
-                let block = s.block_table[p / bs] as usize;
-                for h in 0..nkv {
-                    let row = ((block * nkv + h) * bs + p % bs) as u32;
-                    rows.extend(std::iter::repeat_n(row, hd));
-                }
-            }
-        }
-        let n = rows.len() / hd.max(1);
-        Tensor::from_vec(rows, (n, hd), device)
+    /// Each new token's slot, `block · block_size + row`, in input order: u32 [n].
+    fn slots(&self, seqs: &[PagedSeq<'_>], device: &Device) -> candle_core::Result<Tensor> {
+        let bs = self.block_size as u32;
+        let slots: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| {
+                (s.start..s.start + s.new_tokens).map(move |p| s.block_table[p / bs as usize] * bs + p as u32 % bs)
+            })
+            .collect();
+        Tensor::new(slots, device)
     }
 
     /// Keys and values of one sequence's first `len` tokens: [kv_heads, len, head_dim].
@@ -184,7 +177,7 @@ impl Llama {
             }
         }
         let device = self.device().clone();
-        let rows = kv.row_indices(seqs, &device)?;
+        let slots = kv.slots(seqs, &device)?;
         let tables = seqs
             .iter()
             .map(|s| {
@@ -197,7 +190,7 @@ impl Llama {
         let kv = &*kv;
         let hidden =
             self.run_layers(input_embeds, &positions, (!all_logits).then_some(&lens[..]), |layer, attn, (q, k, v)| {
-                kv.write(layer, &rows, k, v)?;
+                kv.write(layer, &slots, k, v)?;
                 let mut outs = Vec::with_capacity(seqs.len());
                 let mut offset = 0;
                 for (s, table) in seqs.iter().zip(&tables) {
