@@ -163,11 +163,16 @@ struct OwnCache {
 
 impl Drop for OwnCache {
     fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        }
+        terminate(&self.child);
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// SIGTERM to a child the bench started (it shuts down cleanly, removing its segments).
+pub(crate) fn terminate(child: &tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: signalling our own child, whose pid `child` still holds.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
 }
 

@@ -53,10 +53,7 @@ struct OwnServer {
 
 impl Drop for OwnServer {
     fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        }
+        crate::bench::terminate(&self.child);
     }
 }
 
@@ -87,10 +84,7 @@ impl OwnServer {
     }
 
     async fn stop(mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        }
+        crate::bench::terminate(&self.child);
         let _ = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
     }
 }

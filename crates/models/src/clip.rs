@@ -10,54 +10,18 @@
 //! after `pre_layrnorm`, `i` is the output of encoder layer `i - 1`. `post_layernorm`
 //! only feeds the pooled output, which LLaVA does not use, so it is never loaded.
 
-use candle_core::{DType, Module, Tensor};
+use candle_core::{Module, Tensor};
 use candle_nn::{LayerNorm, Linear};
 use mmserve_config::ClipVisionConfig;
 
 use crate::ModelError;
 use crate::activation::Activation;
+use crate::encoder_attention::{Flavor, SelfAttention};
 use crate::weights::{Scope, Weights};
-
-struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    out_proj: Linear,
-    num_heads: usize,
-    scale: f64,
-}
-
-impl Attention {
-    fn load(s: &Scope, cfg: &ClipVisionConfig) -> Result<Self, ModelError> {
-        let d = cfg.hidden_size;
-        Ok(Attention {
-            q_proj: s.linear("q_proj", d, d, true)?,
-            k_proj: s.linear("k_proj", d, d, true)?,
-            v_proj: s.linear("v_proj", d, d, true)?,
-            out_proj: s.linear("out_proj", d, d, true)?,
-            num_heads: cfg.num_attention_heads,
-            scale: ((d / cfg.num_attention_heads) as f64).powf(-0.5),
-        })
-    }
-
-    /// Full (unmasked) attention over `x` [B, N, D].
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, n, d) = x.dims3()?;
-        let heads = |proj: &Linear| {
-            proj.forward(x)?.reshape((b, n, self.num_heads, d / self.num_heads))?.transpose(1, 2)?.contiguous()
-        };
-        let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
-        let scores = (q.matmul(&k.t()?)? * self.scale)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?;
-        let out = probs.to_dtype(v.dtype())?.matmul(&v)?;
-        let out = out.transpose(1, 2)?.reshape((b, n, d))?;
-        self.out_proj.forward(&out)
-    }
-}
 
 struct EncoderLayer {
     layer_norm1: LayerNorm,
-    self_attn: Attention,
+    self_attn: SelfAttention,
     layer_norm2: LayerNorm,
     fc1: Linear,
     fc2: Linear,
@@ -69,7 +33,12 @@ impl EncoderLayer {
         let (d, eps) = (cfg.hidden_size, cfg.layer_norm_eps);
         Ok(EncoderLayer {
             layer_norm1: s.layer_norm("layer_norm1", d, eps)?,
-            self_attn: Attention::load(&s.pp("self_attn"), cfg)?,
+            self_attn: SelfAttention::load(
+                &s.pp("self_attn"),
+                d,
+                cfg.num_attention_heads,
+                Flavor { k_bias: true, scale_queries: false },
+            )?,
             layer_norm2: s.layer_norm("layer_norm2", d, eps)?,
             fc1: s.linear("mlp.fc1", d, cfg.intermediate_size, true)?,
             fc2: s.linear("mlp.fc2", cfg.intermediate_size, d, true)?,
@@ -78,7 +47,7 @@ impl EncoderLayer {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.self_attn.forward(&self.layer_norm1.forward(x)?)?;
+        let h = self.self_attn.forward(&self.layer_norm1.forward(x)?, None)?;
         let x = (x + h)?;
         let h = self.fc1.forward(&self.layer_norm2.forward(&x)?)?;
         let h = self.fc2.forward(&self.act.apply(&h)?)?;

@@ -10,6 +10,7 @@
 
 mod activation;
 mod clip;
+mod encoder_attention;
 mod error;
 mod kv_write;
 mod llama;

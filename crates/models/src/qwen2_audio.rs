@@ -18,6 +18,7 @@ use mmserve_config::{AudioEncoderConfig, ModelConfig, ModelDir, Qwen2AudioConfig
 
 use crate::ModelError;
 use crate::activation::Activation;
+use crate::encoder_attention::{Flavor, SelfAttention};
 use crate::weights::{Scope, Weights};
 
 /// The Qwen2-Audio config of a model directory.
@@ -48,46 +49,9 @@ impl Conv1d {
     }
 }
 
-struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    out_proj: Linear,
-    num_heads: usize,
-    scale: f64,
-}
-
-impl Attention {
-    fn load(s: &Scope, cfg: &AudioEncoderConfig) -> Result<Self, ModelError> {
-        let d = cfg.d_model;
-        Ok(Attention {
-            q_proj: s.linear("q_proj", d, d, true)?,
-            // Whisper's key projection has no bias.
-            k_proj: s.linear("k_proj", d, d, false)?,
-            v_proj: s.linear("v_proj", d, d, true)?,
-            out_proj: s.linear("out_proj", d, d, true)?,
-            num_heads: cfg.encoder_attention_heads,
-            scale: ((d / cfg.encoder_attention_heads) as f64).powf(-0.5),
-        })
-    }
-
-    /// `x` [B, N, D]; `key_mask` [B, 1, 1, N]: 0 for valid keys, -inf for padding.
-    fn forward(&self, x: &Tensor, key_mask: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, n, d) = x.dims3()?;
-        let heads = |t: Tensor| t.reshape((b, n, self.num_heads, d / self.num_heads))?.transpose(1, 2)?.contiguous();
-        let q = heads((self.q_proj.forward(x)? * self.scale)?)?;
-        let k = heads(self.k_proj.forward(x)?)?;
-        let v = heads(self.v_proj.forward(x)?)?;
-        let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?.broadcast_add(key_mask)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.to_dtype(v.dtype())?.matmul(&v)?;
-        self.out_proj.forward(&out.transpose(1, 2)?.reshape((b, n, d))?)
-    }
-}
-
 struct EncoderLayer {
     self_attn_layer_norm: LayerNorm,
-    self_attn: Attention,
+    self_attn: SelfAttention,
     final_layer_norm: LayerNorm,
     fc1: Linear,
     fc2: Linear,
@@ -99,7 +63,13 @@ impl EncoderLayer {
         let (d, ffn) = (cfg.d_model, cfg.encoder_ffn_dim);
         Ok(EncoderLayer {
             self_attn_layer_norm: s.layer_norm("self_attn_layer_norm", d, 1e-5)?,
-            self_attn: Attention::load(&s.pp("self_attn"), cfg)?,
+            // Whisper's key projection has no bias; it scales the queries.
+            self_attn: SelfAttention::load(
+                &s.pp("self_attn"),
+                d,
+                cfg.encoder_attention_heads,
+                Flavor { k_bias: false, scale_queries: true },
+            )?,
             final_layer_norm: s.layer_norm("final_layer_norm", d, 1e-5)?,
             fc1: s.linear("fc1", d, ffn, true)?,
             fc2: s.linear("fc2", ffn, d, true)?,
@@ -108,7 +78,7 @@ impl EncoderLayer {
     }
 
     fn forward(&self, x: &Tensor, key_mask: &Tensor) -> candle_core::Result<Tensor> {
-        let h = (x + self.self_attn.forward(&self.self_attn_layer_norm.forward(x)?, key_mask)?)?;
+        let h = (x + self.self_attn.forward(&self.self_attn_layer_norm.forward(x)?, Some(key_mask))?)?;
         let m = self.fc2.forward(&self.act.apply(&self.fc1.forward(&self.final_layer_norm.forward(&h)?)?)?)?;
         h + m
     }
