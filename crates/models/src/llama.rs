@@ -136,6 +136,25 @@ impl Attention {
         out.reshape((n, nh * hd))
     }
 
+    /// One new token per sequence, all sequences at once: `q` [B, heads, head_dim],
+    /// `k`, `v` [B, kv_heads, L, head_dim] (padded to the longest), `mask` [B, 1, 1, L]
+    /// (0 for each sequence's own positions, -inf for the padding): [B, heads · head_dim].
+    pub(crate) fn attend_decodes(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let b = q.dim(0)?;
+        let q = q.reshape((b, nkv, nh / nkv, hd))?;
+        let scale = (hd as f64).powf(-0.5);
+        let scores = (q.matmul(&k.transpose(2, 3)?)? * scale)?.to_dtype(DType::F32)?.broadcast_add(mask)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        probs.matmul(v)?.reshape((b, nh * hd))
+    }
+
     /// Attention over contiguous per-sequence caches: `q`, `k`, `v` from [`project`](Self::project)
     /// hold the new rows of all `seqs`.
     fn forward_contiguous(

@@ -102,6 +102,39 @@ impl PagedKv {
     }
 
     /// Keys and values of one sequence's first `len` tokens: [kv_heads, len, head_dim].
+    /// The padded block tables and key mask of a step of decodes.
+    fn decode_batch(&self, seqs: &[PagedSeq<'_>], device: &Device) -> candle_core::Result<DecodeBatch> {
+        let bs = self.block_size;
+        let width = seqs.iter().map(|s| (s.start + 1).div_ceil(bs)).max().unwrap_or(1);
+        let mut table = Vec::with_capacity(seqs.len() * width);
+        let mut mask = Vec::with_capacity(seqs.len() * width * bs);
+        for s in seqs {
+            let used = (s.start + 1).div_ceil(bs);
+            // Padding reads block 0 (any block would do): the mask hides it.
+            table.extend(s.block_table[..used].iter().copied().chain(std::iter::repeat_n(0, width - used)));
+            mask.extend((0..width * bs).map(|p| if p <= s.start { 0f32 } else { f32::NEG_INFINITY }));
+        }
+        Ok(DecodeBatch {
+            table: Tensor::from_vec(table, seqs.len() * width, device)?,
+            mask: Tensor::from_vec(mask, (seqs.len(), 1, 1, width * bs), device)?,
+            seqs: seqs.len(),
+            width,
+        })
+    }
+
+    /// Keys and values of every sequence of a decode batch: [B, kv_heads, width · block_size, head_dim].
+    fn gather_batch(&self, layer: usize, batch: &DecodeBatch) -> candle_core::Result<(Tensor, Tensor)> {
+        let (nkv, bs, hd) = (self.kv_heads, self.block_size, self.head_dim);
+        let one = |t: &Tensor| {
+            t.index_select(&batch.table, 0)?
+                .reshape((batch.seqs, batch.width, nkv, bs, hd))?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((batch.seqs, nkv, batch.width * bs, hd))
+        };
+        Ok((one(&self.k[layer])?, one(&self.v[layer])?))
+    }
+
     fn gather(&self, layer: usize, table: &Tensor, len: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let (nkv, hd) = (self.kv_heads, self.head_dim);
         let blocks = table.dim(0)?;
@@ -118,6 +151,15 @@ impl PagedKv {
 }
 
 /// One sequence of a paged forward step.
+/// A step of decodes, batched: block tables padded to `width` blocks ([B · width]) and
+/// the mask that hides the padding and the unwritten rows ([B, 1, 1, width · block_size]).
+struct DecodeBatch {
+    table: Tensor,
+    mask: Tensor,
+    seqs: usize,
+    width: usize,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct PagedSeq<'a> {
     /// Tokens already in the cache: the new ones take positions `start..start + new_tokens`
@@ -188,9 +230,19 @@ impl Llama {
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
         let kv = &*kv;
+        // A step of decodes only (one new token each) attends in one batch over block
+        // tables padded to the longest, instead of one small attention per sequence.
+        let decodes = (seqs.len() > 1 && seqs.iter().all(|s| s.new_tokens == 1))
+            .then(|| kv.decode_batch(seqs, &device))
+            .transpose()?;
         let hidden =
             self.run_layers(input_embeds, &positions, (!all_logits).then_some(&lens[..]), |layer, attn, (q, k, v)| {
                 kv.write(layer, &slots, k, v)?;
+                if let Some(batch) = &decodes {
+                    let (k, v) = kv.gather_batch(layer, batch)?;
+                    let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
+                    return attn.attend_decodes(q, &k, &v, &batch.mask);
+                }
                 let mut outs = Vec::with_capacity(seqs.len());
                 let mut offset = 0;
                 for (s, table) in seqs.iter().zip(&tables) {
