@@ -180,33 +180,46 @@ async fn start_cache() -> anyhow::Result<(OwnCache, PathBuf)> {
     let dir = std::env::temp_dir().join(format!("mmserve-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("cache.sock");
-    let mut child = tokio::process::Command::new(std::env::current_exe()?)
-        .args(["embed-cache", "--socket"])
+    let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+    cmd.args(["embed-cache", "--socket"])
         .arg(&socket)
         // 64 values per row; room for ~16k items of 64 rows; 64 MiB of raw data.
         .args(["--embed-dim", "64", "--embed-cache-size", "256MiB", "--embed-cache-items", "16384"])
         .args(["--embed-cache-data-size", "64MiB"])
+        .env_remove("MMSERVE_ADMIN_TOKEN");
+    let ready = |line: &str| line.starts_with(mmserve_protocol::ready::READY_LINE).then_some(());
+    let (child, ()) = spawn_until(cmd, "the embed cache", Duration::from_secs(30), ready).await?;
+    Ok((OwnCache { child, dir }, socket))
+}
+
+/// Starts `cmd` (quiet logs, stdout piped, killed on drop) and reads its stdout until
+/// `ready` finds what it waits for in a line, at most `wait`; then drains the rest of
+/// stdout so the child never blocks on a full pipe.
+pub(crate) async fn spawn_until<T>(
+    mut cmd: tokio::process::Command,
+    what: &str,
+    wait: Duration,
+    ready: impl Fn(&str) -> Option<T>,
+) -> anyhow::Result<(tokio::process::Child, T)> {
+    let mut child = cmd
         .env("MMSERVE_LOG", "warn")
-        .env_remove("MMSERVE_ADMIN_TOKEN")
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .context("starting the embed cache")?;
+        .with_context(|| format!("starting {what}"))?;
     let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-    let ready = tokio::time::timeout(Duration::from_secs(30), async {
+    let found = tokio::time::timeout(wait, async {
         while let Ok(Some(line)) = lines.next_line().await {
-            if line.starts_with(mmserve_protocol::ready::READY_LINE) {
-                return true;
+            if let Some(v) = ready(&line) {
+                return Some(v);
             }
         }
-        false
+        None
     })
     .await;
-    if ready != Ok(true) {
-        bail!("the embed cache did not start");
-    }
+    let Ok(Some(v)) = found else { bail!("{what} did not come up within {wait:?}") };
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((OwnCache { child, dir }, socket))
+    Ok((child, v))
 }
 
 struct Outcome {

@@ -6,13 +6,11 @@
 //! `--no-prefix-cache`), so the prefix cache's share of the speed-up is its own line.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Debug, clap::Args)]
 pub struct EngineBench {
@@ -59,27 +57,10 @@ impl Drop for OwnServer {
 
 impl OwnServer {
     async fn start(model: &Path, extra: &[String]) -> anyhow::Result<Self> {
-        let mut child = tokio::process::Command::new(std::env::current_exe()?)
-            .args(["serve", "--port", "0", "--model"])
-            .arg(model)
-            .args(extra)
-            .env("MMSERVE_LOG", "warn")
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .context("starting mmserve serve")?;
-        let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-        let url = tokio::time::timeout(Duration::from_secs(300), async {
-            while let Ok(Some(line)) = lines.next_line().await {
-                if let Some(url) = line.strip_prefix("mmserve: serving ").and_then(|r| r.split(" at ").nth(1)) {
-                    return Some(url.to_string());
-                }
-            }
-            None
-        })
-        .await;
-        let Ok(Some(url)) = url else { bail!("mmserve serve did not come up") };
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+        cmd.args(["serve", "--port", "0", "--model"]).arg(model).args(extra);
+        let url = |line: &str| line.strip_prefix("mmserve: serving ")?.split(" at ").nth(1).map(str::to_string);
+        let (child, url) = crate::bench::spawn_until(cmd, "mmserve serve", Duration::from_secs(300), url).await?;
         Ok(OwnServer { child, url })
     }
 
@@ -95,6 +76,12 @@ struct Client {
 }
 
 impl Client {
+    /// Every call is bounded: a stuck server fails the bench instead of hanging it.
+    fn new(url: &str) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).build()?;
+        Ok(Client { http, url: url.to_string() })
+    }
+
     async fn chat(&self, body: &Value) -> anyhow::Result<Value> {
         let resp = self.http.post(format!("{}/v1/chat/completions", self.url)).json(body).send().await?;
         let status = resp.status();
@@ -218,7 +205,7 @@ fn median(v: &mut [f64]) -> f64 {
 pub async fn run(b: EngineBench) -> anyhow::Result<()> {
     let name = b.model.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let server = OwnServer::start(&b.model, &b.serve_args).await?;
-    let client = Client { http: reqwest::Client::new(), url: server.url.clone() };
+    let client = Client::new(&server.url)?;
     let (filler, prompt_len) = calibrate(&client, &name, b.prompt_tokens).await?;
     if !b.json {
         println!(
@@ -303,7 +290,7 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
     let mut args = b.serve_args.clone();
     args.push("--no-prefix-cache".into());
     let server = OwnServer::start(&b.model, &args).await?;
-    let client = Client { http: reqwest::Client::new(), url: server.url.clone() };
+    let client = Client::new(&server.url)?;
     client.ttft(&body).await?; // the image into the embed cache
     let (without_prefix, _) = repeated(client, body).await?;
     server.stop().await;

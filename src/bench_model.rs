@@ -223,14 +223,20 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         }
     }
     if !b.json {
-        print_table(&rows).context("printing")?;
+        print_table(&rows);
     }
     Ok(())
 }
 
-fn print_table(rows: &[serde_json::Value]) -> anyhow::Result<()> {
+fn print_table(rows: &[serde_json::Value]) {
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     for r in rows {
+        // Compute-bound rows: prefill and the vision tower.
+        let compute = match (r.get("prefill_tokens"), r.get("vision_batch")) {
+            (Some(n), _) => Some((format!("prefill {n:>5} tokens:"), f(r, "tokens_per_s"), "tok/s")),
+            (_, Some(n)) => Some((format!("vision  batch {n:>3}:"), f(r, "images_per_s"), "img/s")),
+            _ => None,
+        };
         if let Some(batch) = r.get("decode_batch") {
             println!(
                 "decode  batch {batch:>3}: {:>9.1} tok/s  step {:>8.3} ms  roofline {:>7.3} ms  ({:>5.1}% of roofline)",
@@ -239,18 +245,9 @@ fn print_table(rows: &[serde_json::Value]) -> anyhow::Result<()> {
                 f(r, "roofline_step_ms"),
                 100.0 * f(r, "roofline_share")
             );
-        } else if let Some(n) = r.get("prefill_tokens") {
+        } else if let Some((label, rate, unit)) = compute {
             println!(
-                "prefill {n:>5} tokens: {:>9.1} tok/s  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak)",
-                f(r, "tokens_per_s"),
-                1e3 * f(r, "seconds"),
-                f(r, "tflops"),
-                100.0 * f(r, "peak_share")
-            );
-        } else if let Some(n) = r.get("vision_batch") {
-            println!(
-                "vision  batch {n:>3}: {:>9.1} img/s  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak)",
-                f(r, "images_per_s"),
+                "{label} {rate:>9.1} {unit}  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak)",
                 1e3 * f(r, "seconds"),
                 f(r, "tflops"),
                 100.0 * f(r, "peak_share")
@@ -259,7 +256,6 @@ fn print_table(rows: &[serde_json::Value]) -> anyhow::Result<()> {
             println!("{r}");
         }
     }
-    Ok(())
 }
 
 /// With `--parity` on a fixture directory (it holds `reference.safetensors`): the
