@@ -32,7 +32,7 @@ pub struct ModelBench {
     /// `auto` (the checkpoint's on a GPU, float32 on the CPU), `bfloat16`, `float16`, `float32`.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
-    /// Decode batch sizes, comma-separated.
+    /// Decode batch sizes, comma-separated (0: skip).
     #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
     pub batches: Vec<usize>,
     /// Prompt tokens per sequence before decoding.
@@ -44,7 +44,7 @@ pub struct ModelBench {
     /// Tokens of the prefill measurement (0: skip).
     #[arg(long, default_value_t = 2048)]
     pub prefill: usize,
-    /// Vision batch sizes, comma-separated (empty: skip).
+    /// Vision batch sizes, comma-separated (0: skip).
     #[arg(long, value_delimiter = ',', default_value = "1,32")]
     pub images: Vec<usize>,
     /// Timed repeats of the prefill and vision measurements.
@@ -120,7 +120,7 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
     // Decode.
     let t = &cfg.text;
     let kv_per_token = 2.0 * t.num_hidden_layers as f64 * t.num_key_value_heads as f64 * t.head_dim as f64 * elem;
-    for &batch in &b.batches {
+    for &batch in b.batches.iter().filter(|&&n| n > 0) {
         let per_seq = (b.prompt + b.output).div_ceil(b.block_size);
         let mut kv = PagedKv::new(&llama, batch * per_seq, b.block_size, dtype)?;
         let tables: Vec<Vec<u32>> =
@@ -191,7 +191,7 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
     }
 
     // Vision tower + projector.
-    if !b.images.is_empty() {
+    if b.images.iter().any(|&n| n > 0) {
         let vision = LlavaVision::from_weights(&weights, cfg)?;
         let v = &cfg.vision;
         let s = v.image_size;
@@ -201,7 +201,7 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         let per_image = layers * (2.0 * tokens * (4.0 * vh * vh + 2.0 * vh * vi) + 4.0 * tokens * tokens * vh)
             + 2.0 * (tokens - 1.0) * (3.0 * (v.patch_size * v.patch_size) as f64) * vh
             + 2.0 * vision.tokens_per_image() as f64 * (vh * th + th * th);
-        for &n in &b.images {
+        for &n in b.images.iter().filter(|&&n| n > 0) {
             let pixels = Tensor::rand(-1f32, 1f32, (n, 3, s, s), &device)?;
             let mut times = Vec::new();
             for i in 0..=b.repeats {
@@ -294,10 +294,12 @@ fn parity(
     let paged = llama.forward_paged(&embeds, &seqs, &mut kv, true)?;
     let (paged_abs, paged_rel) = diff(&paged, &want)?;
     let kernels_differing = mmserve_models::kv_write_self_test(&device)?;
-    // Greedy with the KV cache, as generate() runs.
+    let attention_differing = mmserve_models::paged_attention_self_test(&device)?;
+    // Greedy with the KV cache, as generate() runs: contiguous, then paged (our decode
+    // attention kernel on a GPU).
     let want_ids: Vec<u32> = get("generated_ids")?.to_dtype(DType::U32)?.to_vec1()?;
     let mut cache = llama.new_cache();
-    let mut input = embeds;
+    let mut input = embeds.clone();
     let mut got = Vec::new();
     for _ in 0..want_ids.len() {
         let n = input.dim(0)?;
@@ -306,8 +308,23 @@ fn parity(
         got.push(next);
         input = llama.embed_tokens(&[next])?;
     }
+    let blocks = (ids.len() + want_ids.len()).div_ceil(bs);
+    let mut kv = PagedKv::new(llama, blocks, bs, llama.dtype())?;
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let (mut input, mut start, mut got_paged) = (embeds, 0, Vec::new());
+    for _ in 0..want_ids.len() {
+        let n = input.dim(0)?;
+        let seqs = [PagedSeq { start, new_tokens: n, block_table: &table }];
+        let row = llama.forward_paged(&input, &seqs, &mut kv, false)?;
+        let next = row.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?[0];
+        got_paged.push(next);
+        start += n;
+        input = llama.embed_tokens(&[next])?;
+    }
     Ok(json!({"parity_logits_max_abs": abs, "parity_logits_max_rel": rel, "greedy_identical": got == want_ids,
+              "paged_greedy_identical": got_paged == want_ids,
               "paged_logits_max_abs": paged_abs, "paged_logits_max_rel": paged_rel,
               "kv_write_kernel_differs_for": kernels_differing,
+              "paged_attention_kernel_differs": attention_differing,
               "greedy": got, "greedy_reference": want_ids}))
 }

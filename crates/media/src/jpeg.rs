@@ -10,6 +10,8 @@
 //! where libjpeg smooths blocks, non-integral sampling, broken entropy data that libjpeg
 //! would have to resynchronise): the caller then falls back on another decoder.
 
+use crate::simd::dispatch;
+
 /// `jpeg_natural_order`, with the 16 extra entries libjpeg uses to absorb bad data.
 const NATURAL: [usize; 80] = {
     const Z: [usize; 64] = [
@@ -27,6 +29,7 @@ const NATURAL: [usize; 80] = {
 };
 
 /// libjpeg's YCbCr → RGB (`jdcolor.c`, 16-bit fixed point), before clamping.
+#[inline(always)]
 pub(crate) fn ycc_to_rgb(y: u8, cb: u8, cr: u8) -> [i32; 3] {
     const fn fix(x: f64) -> i32 {
         (x * 65536.0 + 0.5) as i32
@@ -650,88 +653,169 @@ fn range_limit(x: i64) -> u8 {
     }
 }
 
-/// `jpeg_idct_islow` (`jidctint.c`) of every block holding image data, into a plane of
-/// `width_in_blocks · 8 × height_in_blocks · 8` samples.
-fn idct_plane(c: &Component) -> Option<Vec<u8>> {
-    const CONST_BITS: u32 = 13;
-    const PASS1_BITS: u32 = 2;
+dispatch!(
+    /// `jpeg_idct_islow` (`jidctint.c`) of every block holding image data, into a plane of
+    /// `width_in_blocks · 8 × height_in_blocks · 8` samples.
+    idct_plane(c: &Component) -> Option<Vec<u8>> => idct_plane_kernel
+);
+
+#[inline(always)]
+fn idct_plane_kernel(c: &Component) -> Option<Vec<u8>> {
     let q = c.quant?;
     let pw = c.width_in_blocks * 8;
     let mut plane = vec![0u8; pw * c.height_in_blocks * 8];
-    let descale = |x: i64, n: u32| (x + (1 << (n - 1))) >> n;
-    let mut ws = [0i64; 64];
     for by in 0..c.height_in_blocks {
         for bx in 0..c.width_in_blocks {
-            let block = &c.coefs[(by * c.bw + bx) * 64..][..64];
-            let deq = |i: usize| i64::from(block[i]) * i64::from(q[i]);
-            for col in 0..8 {
-                if (1..8).all(|r| block[r * 8 + col] == 0) {
-                    let dc = deq(col) << PASS1_BITS;
-                    for r in 0..8 {
-                        ws[r * 8 + col] = dc;
-                    }
-                    continue;
-                }
-                let out = idct_1d(|r| deq(r * 8 + col), CONST_BITS);
-                for r in 0..8 {
-                    ws[r * 8 + col] = descale(out[r], CONST_BITS - PASS1_BITS);
-                }
-            }
-            for row in 0..8 {
-                let w = &ws[row * 8..row * 8 + 8];
-                let dst = &mut plane[(by * 8 + row) * pw + bx * 8..][..8];
-                if w[1..].iter().all(|&v| v == 0) {
-                    dst.fill(range_limit(descale(w[0], PASS1_BITS + 3)));
-                    continue;
-                }
-                let out = idct_1d(|i| w[i], CONST_BITS);
-                for (d, &v) in dst.iter_mut().zip(&out) {
-                    *d = range_limit(descale(v, CONST_BITS + PASS1_BITS + 3));
-                }
+            let block: &[i16; 64] = c.coefs[(by * c.bw + bx) * 64..][..64].try_into().ok()?;
+            let rows = idct_block_i32(block, &q).unwrap_or_else(|| idct_block_i64(block, &q));
+            for (r, row) in rows.iter().enumerate() {
+                plane[(by * 8 + r) * pw + bx * 8..][..8].copy_from_slice(row);
             }
         }
     }
     Some(plane)
 }
 
-/// One 8-point pass of `jidctint.c` (the `tmp10 ± tmp3`, … outputs, before descaling).
-fn idct_1d(x: impl Fn(usize) -> i64, const_bits: u32) -> [i64; 8] {
-    const FIX_0_298631336: i64 = 2446;
-    const FIX_0_390180644: i64 = 3196;
-    const FIX_0_541196100: i64 = 4433;
-    const FIX_0_765366865: i64 = 6270;
-    const FIX_0_899976223: i64 = 7373;
-    const FIX_1_175875602: i64 = 9633;
-    const FIX_1_501321110: i64 = 12299;
-    const FIX_1_847759065: i64 = 15137;
-    const FIX_1_961570560: i64 = 16069;
-    const FIX_2_053119869: i64 = 16819;
-    const FIX_2_562915447: i64 = 20995;
-    const FIX_3_072711026: i64 = 25172;
-    let (z2, z3) = (x(2), x(6));
-    let z1 = (z2 + z3) * FIX_0_541196100;
-    let tmp2 = z1 + z3 * -FIX_1_847759065;
-    let tmp3 = z1 + z2 * FIX_0_765366865;
-    let (z2, z3) = (x(0), x(4));
-    let tmp0 = (z2 + z3) << const_bits;
-    let tmp1 = (z2 - z3) << const_bits;
-    let (tmp10, tmp13, tmp11, tmp12) = (tmp0 + tmp3, tmp0 - tmp3, tmp1 + tmp2, tmp1 - tmp2);
-    let (t0, t1, t2, t3) = (x(7), x(5), x(3), x(1));
-    let (z1, z2, z3, z4) = (t0 + t3, t1 + t2, t0 + t2, t1 + t3);
-    let z5 = (z3 + z4) * FIX_1_175875602;
-    let (t0, t1, t2, t3) = (t0 * FIX_0_298631336, t1 * FIX_2_053119869, t2 * FIX_3_072711026, t3 * FIX_1_501321110);
-    let (z1, z2) = (z1 * -FIX_0_899976223, z2 * -FIX_2_562915447);
-    let (z3, z4) = (z3 * -FIX_1_961570560 + z5, z4 * -FIX_0_390180644 + z5);
-    let (t0, t1, t2, t3) = (t0 + z1 + z3, t1 + z2 + z4, t2 + z2 + z3, t3 + z1 + z4);
-    [tmp10 + t3, tmp11 + t2, tmp12 + t1, tmp13 + t0, tmp13 - t0, tmp12 - t1, tmp11 - t2, tmp10 - t3]
+const CONST_BITS: u32 = 13;
+const PASS1_BITS: u32 = 2;
+
+/// One block in 32-bit lanes, 8 columns (then 8 rows) at a time, as libjpeg-turbo's SIMD
+/// IDCT computes it. `None` when a dequantised coefficient reaches 2¹² or a first-pass
+/// value 2¹³ (far outside what 8-bit images produce): within those bounds no sum of the
+/// algorithm reaches 2³¹, so the result is the exact one (`idct_block_i64`'s).
+#[inline(always)]
+fn idct_block_i32(block: &[i16; 64], q: &[u16; 64]) -> Option<[[u8; 8]; 8]> {
+    let mut x = [[0i32; 8]; 8];
+    let mut out_of_range = false;
+    for (i, (&c, &q)) in block.iter().zip(q).enumerate() {
+        let v = i32::from(c) * i32::from(q);
+        out_of_range |= (v + (1 << 12)) as u32 >= 1 << 13;
+        x[i / 8][i % 8] = v;
+    }
+    if out_of_range {
+        return None;
+    }
+    // Pass 1 down the columns: lane = column.
+    let mut ws = [[0i32; 8]; 8];
+    for col in 0..8 {
+        let out = idct_1d_i32(|r| x[r][col], CONST_BITS);
+        for r in 0..8 {
+            let v = (out[r] + (1 << (CONST_BITS - PASS1_BITS - 1))) >> (CONST_BITS - PASS1_BITS);
+            out_of_range |= (v + (1 << 13)) as u32 >= 1 << 14;
+            ws[r][col] = v;
+        }
+    }
+    if out_of_range {
+        return None;
+    }
+    // Pass 2 along the rows: transposed, so that lane = row.
+    let mut wt = [[0i32; 8]; 8];
+    for (r, row) in ws.iter().enumerate() {
+        for (k, &v) in row.iter().enumerate() {
+            wt[k][r] = v;
+        }
+    }
+    let mut rows = [[0u8; 8]; 8];
+    let shift = CONST_BITS + PASS1_BITS + 3;
+    for r in 0..8 {
+        let out = idct_1d_i32(|k| wt[k][r], CONST_BITS);
+        for k in 0..8 {
+            rows[r][k] = range_limit_i32((out[k] + (1 << (shift - 1))) >> shift);
+        }
+    }
+    Some(rows)
 }
 
-/// Upsamples a component plane to the image size as libjpeg-turbo does: nothing at full
-/// size; fancy (triangle) filters for 2:1 horizontally (`h2v1`, when the component is
-/// more than 2 samples wide), vertically (`h1v2`) or both (`h2v2`, same width condition);
-/// replication for other integral factors. Samples past the component's real size are
-/// not read: vertical neighbours are clamped to its first and last real rows.
-fn upsample(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> {
+/// The same block in 64-bit arithmetic, for any coefficients (libjpeg's C IDCT with a
+/// 64-bit `JLONG`).
+fn idct_block_i64(block: &[i16; 64], q: &[u16; 64]) -> [[u8; 8]; 8] {
+    let descale = |x: i64, n: u32| (x + (1 << (n - 1))) >> n;
+    let deq = |i: usize| i64::from(block[i]) * i64::from(q[i]);
+    let mut ws = [0i64; 64];
+    for col in 0..8 {
+        let out = idct_1d(|r| deq(r * 8 + col), CONST_BITS);
+        for r in 0..8 {
+            ws[r * 8 + col] = descale(out[r], CONST_BITS - PASS1_BITS);
+        }
+    }
+    let mut rows = [[0u8; 8]; 8];
+    for (row, dst) in rows.iter_mut().enumerate() {
+        let out = idct_1d(|i| ws[row * 8 + i], CONST_BITS);
+        for (d, &v) in dst.iter_mut().zip(&out) {
+            *d = range_limit(descale(v, CONST_BITS + PASS1_BITS + 3));
+        }
+    }
+    rows
+}
+
+/// [`range_limit`] on 32 bits, branch-free so that it vectorises.
+#[inline(always)]
+fn range_limit_i32(x: i32) -> u8 {
+    let i = x & 1023;
+    (if i < 128 {
+        i + 128
+    } else if i < 512 {
+        255
+    } else if i < 896 {
+        0
+    } else {
+        i - 896
+    }) as u8
+}
+
+/// One 8-point pass of `jidctint.c` (the `tmp10 ± tmp3`, … outputs, before descaling),
+/// in 64 bits ([`idct_1d`]) and in 32 ([`idct_1d_i32`]; see [`idct_block_i32`] for why
+/// nothing overflows there): the same text for both.
+macro_rules! idct_1d {
+    ($name:ident, $t:ty) => {
+        #[inline(always)]
+        fn $name(x: impl Fn(usize) -> $t, const_bits: u32) -> [$t; 8] {
+            const FIX_0_298631336: $t = 2446;
+            const FIX_0_390180644: $t = 3196;
+            const FIX_0_541196100: $t = 4433;
+            const FIX_0_765366865: $t = 6270;
+            const FIX_0_899976223: $t = 7373;
+            const FIX_1_175875602: $t = 9633;
+            const FIX_1_501321110: $t = 12299;
+            const FIX_1_847759065: $t = 15137;
+            const FIX_1_961570560: $t = 16069;
+            const FIX_2_053119869: $t = 16819;
+            const FIX_2_562915447: $t = 20995;
+            const FIX_3_072711026: $t = 25172;
+            let (z2, z3) = (x(2), x(6));
+            let z1 = (z2 + z3) * FIX_0_541196100;
+            let tmp2 = z1 + z3 * -FIX_1_847759065;
+            let tmp3 = z1 + z2 * FIX_0_765366865;
+            let (z2, z3) = (x(0), x(4));
+            let tmp0 = (z2 + z3) << const_bits;
+            let tmp1 = (z2 - z3) << const_bits;
+            let (tmp10, tmp13, tmp11, tmp12) = (tmp0 + tmp3, tmp0 - tmp3, tmp1 + tmp2, tmp1 - tmp2);
+            let (t0, t1, t2, t3) = (x(7), x(5), x(3), x(1));
+            let (z1, z2, z3, z4) = (t0 + t3, t1 + t2, t0 + t2, t1 + t3);
+            let z5 = (z3 + z4) * FIX_1_175875602;
+            let (t0, t1, t2, t3) =
+                (t0 * FIX_0_298631336, t1 * FIX_2_053119869, t2 * FIX_3_072711026, t3 * FIX_1_501321110);
+            let (z1, z2) = (z1 * -FIX_0_899976223, z2 * -FIX_2_562915447);
+            let (z3, z4) = (z3 * -FIX_1_961570560 + z5, z4 * -FIX_0_390180644 + z5);
+            let (t0, t1, t2, t3) = (t0 + z1 + z3, t1 + z2 + z4, t2 + z2 + z3, t3 + z1 + z4);
+            [tmp10 + t3, tmp11 + t2, tmp12 + t1, tmp13 + t0, tmp13 - t0, tmp12 - t1, tmp11 - t2, tmp10 - t3]
+        }
+    };
+}
+idct_1d!(idct_1d, i64);
+idct_1d!(idct_1d_i32, i32);
+
+dispatch!(
+    /// Upsamples a component plane to the image size as libjpeg-turbo does: nothing at full
+    /// size; fancy (triangle) filters for 2:1 horizontally (`h2v1`, when the component is
+    /// more than 2 samples wide), vertically (`h1v2`) or both (`h2v2`, same width condition);
+    /// replication for other integral factors. Samples past the component's real size are
+    /// not read: vertical neighbours are clamped to its first and last real rows.
+    upsample(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> => upsample_kernel
+);
+
+#[inline(always)]
+fn upsample_kernel(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> {
     if !f.max_h.is_multiple_of(c.h) || !f.max_v.is_multiple_of(c.v) {
         return None; // libjpeg: fractional sampling not implemented
     }
@@ -751,12 +835,18 @@ fn upsample(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> {
                 for ((s, &a), &b) in sums.iter_mut().zip(row_of(y)).zip(row_of(near)) {
                     *s = i32::from(a) * 3 + i32::from(b);
                 }
-                for x in 0..dw {
-                    let this = sums[x] * 3;
-                    let left = if x == 0 { sums[0] } else { sums[x - 1] };
-                    let right = if x == dw - 1 { sums[x] } else { sums[x + 1] };
-                    wide[2 * x] = ((this + left + 8) >> 4) as u8;
-                    wide[2 * x + 1] = ((this + right + 7) >> 4) as u8;
+                // The edges repeat their own column; the interior has no branch, so it vectorises.
+                wide[0] = ((sums[0] * 4 + 8) >> 4) as u8;
+                wide[2 * dw - 1] = ((sums[dw - 1] * 4 + 7) >> 4) as u8;
+                wide[1] = ((sums[0] * 3 + sums[1] + 7) >> 4) as u8;
+                wide[2 * dw - 2] = ((sums[dw - 1] * 3 + sums[dw - 2] + 8) >> 4) as u8;
+                for ((pair, s), (&left, &right)) in wide[2..2 * dw - 2]
+                    .chunks_exact_mut(2)
+                    .zip(&sums[1..dw - 1])
+                    .zip(sums[..dw - 2].iter().zip(&sums[2..]))
+                {
+                    pair[0] = ((s * 3 + left + 8) >> 4) as u8;
+                    pair[1] = ((s * 3 + right + 7) >> 4) as u8;
                 }
                 row.copy_from_slice(&wide[..w]);
             }
@@ -788,23 +878,34 @@ fn upsample(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// libjpeg's YCbCr → RGB tables (`build_ycc_rgb_table`): Cr→R, Cb→B, and the two green
-/// terms in 16-bit fixed point.
-fn ycc_tables() -> ([i32; 256], [i32; 256], [i32; 256], [i32; 256]) {
-    let (mut cr_r, mut cb_b, mut cr_g, mut cb_g) = ([0; 256], [0; 256], [0; 256], [0; 256]);
-    for i in 0..256 {
-        let [r, _, b] = ycc_to_rgb(0, i as u8, i as u8);
-        cr_r[i] = r;
-        cb_b[i] = b;
-        let x = i as i32 - 128;
-        cr_g[i] = -FIX_0_71414 * x;
-        cb_g[i] = -FIX_0_34414 * x + (1 << 15);
-    }
-    (cr_r, cb_b, cr_g, cb_g)
-}
-
 const FIX_0_71414: i32 = 46802;
 const FIX_0_34414: i32 = 22554;
+
+dispatch!(
+    /// YCbCr planes to interleaved RGB, libjpeg's tables computed rather than looked up
+    /// ([`ycc_to_rgb`]), 16 pixels at a time so that the arithmetic vectorises.
+    ycc_rows(y: &[u8], cb: &[u8], cr: &[u8], rgb: &mut [u8]) -> () => ycc_rows_kernel
+);
+
+#[inline(always)]
+fn ycc_rows_kernel(y: &[u8], cb: &[u8], cr: &[u8], rgb: &mut [u8]) {
+    const N: usize = 16;
+    let clamp = |v: i32| v.clamp(0, 255) as u8;
+    let pixel = |y: u8, cb: u8, cr: u8| ycc_to_rgb(y, cb, cr).map(clamp);
+    let mut px = rgb.chunks_exact_mut(3 * N);
+    let (mut ys, mut cbs, mut crs) = (y.chunks_exact(N), cb.chunks_exact(N), cr.chunks_exact(N));
+    for (((p, y), cb), cr) in (&mut px).zip(&mut ys).zip(&mut cbs).zip(&mut crs) {
+        let mut out = [[0u8; 3]; N];
+        for i in 0..N {
+            out[i] = pixel(y[i], cb[i], cr[i]);
+        }
+        p.copy_from_slice(out.as_flattened());
+    }
+    let rest = px.into_remainder().chunks_exact_mut(3);
+    for (p, ((&y, &cb), &cr)) in rest.zip(ys.remainder().iter().zip(cbs.remainder()).zip(crs.remainder())) {
+        p.copy_from_slice(&pixel(y, cb, cr));
+    }
+}
 
 /// Planes (already at full size) to RGB: grey replicated; YCbCr through libjpeg's tables
 /// unless libjpeg decides the image is RGB; CMYK / YCCK through Pillow's CMYK → RGB.
@@ -817,18 +918,7 @@ fn to_rgb(planes: &[Vec<u8>], is_rgb: bool, ycck: bool) -> Vec<u8> {
         [a, b, c] if is_rgb => {
             px.zip(a.iter().zip(b).zip(c)).for_each(|(p, ((&a, &b), &c))| p.copy_from_slice(&[a, b, c]))
         }
-        [y, cb, cr] => {
-            let (cr_r, cb_b, cr_g, cb_g) = ycc_tables();
-            let clamp = |v: i32| v.clamp(0, 255) as u8;
-            for (p, ((&y, &cb), &cr)) in px.zip(y.iter().zip(cb).zip(cr)) {
-                let (y, cb, cr) = (i32::from(y), usize::from(cb), usize::from(cr));
-                p.copy_from_slice(&[
-                    clamp(y + cr_r[cr]),
-                    clamp(y + ((cb_g[cb] + cr_g[cr]) >> 16)),
-                    clamp(y + cb_b[cb]),
-                ]);
-            }
-        }
+        [y, cb, cr] => ycc_rows(y, cb, cr, &mut rgb),
         [c, m, y, k] => {
             for (i, p) in px.enumerate() {
                 let stored = [c[i], m[i], y[i], k[i]];
@@ -843,6 +933,39 @@ fn to_rgb(planes: &[Vec<u8>], is_rgb: bool, ycck: bool) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idct_in_32_bits_is_exact() {
+        // Random blocks with coefficients up to the 32-bit path's bound, sparse and dense,
+        // with libjpeg's default and 16-bit quantisers: the same samples as in 64 bits, or
+        // a refusal (then the 64-bit path runs).
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (mut exact, mut refused) = (0, 0);
+        for round in 0..20_000 {
+            let q: [u16; 64] = std::array::from_fn(|_| if round % 3 == 0 { 1 } else { 1 + (next() % 64) as u16 });
+            let keep = 1 + next() % 64;
+            let block: [i16; 64] = std::array::from_fn(|_| {
+                if next() % 64 < keep { ((next() % 8192) as i32 - 4096) as i16 / (1 + (next() % 16) as i16) } else { 0 }
+            });
+            match idct_block_i32(&block, &q) {
+                Some(rows) => {
+                    assert_eq!(rows, idct_block_i64(&block, &q), "round {round}");
+                    exact += 1;
+                }
+                None => refused += 1,
+            }
+        }
+        assert!(exact > 1_000 && refused > 100, "{exact} exact, {refused} refused");
+        for x in -5000..5000 {
+            assert_eq!(range_limit_i32(x), range_limit(i64::from(x)), "{x}");
+        }
+    }
 
     #[test]
     fn tables() {

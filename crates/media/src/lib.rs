@@ -20,6 +20,7 @@ mod orient;
 pub mod processor;
 pub mod qwen2vl;
 pub mod resample;
+mod simd;
 
 pub use clip::{ClipImageProcessor, Resize};
 pub use decode::{ImageLimits, decode_image, image_dimensions};

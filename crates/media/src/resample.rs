@@ -13,6 +13,7 @@
 //! output can be computed on its own, exactly: [`resize_bicubic_window`] does that,
 //! which keeps a centre crop of a very elongated image cheap.
 
+use crate::simd::dispatch;
 use std::ops::Range;
 
 use image::RgbImage;
@@ -71,27 +72,6 @@ fn clip8(acc: i32) -> u8 {
 }
 
 const BIAS: i32 = 1 << (PRECISION_BITS - 1);
-
-/// Runs `$body` (a call of an `#[inline(always)]` kernel) compiled for AVX2 where the CPU
-/// has it, for the baseline target otherwise: the same integer arithmetic either way.
-macro_rules! dispatch {
-    ($name:ident($($arg:ident: $ty:ty),*) => $kernel:ident) => {
-        fn $name($($arg: $ty),*) -> Vec<u8> {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2")]
-                fn avx2($($arg: $ty),*) -> Vec<u8> {
-                    $kernel($($arg),*)
-                }
-                if std::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU supports AVX2, checked just above.
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            $kernel($($arg),*)
-        }
-    };
-}
 
 /// Horizontal pass (see [`horizontal_kernel`]), with AVX2 intrinsics where the CPU has them.
 fn horizontal(src: &[u8], width: usize, rows: Range<usize>, taps: &[Taps]) -> Vec<u8> {
@@ -154,7 +134,7 @@ fn horizontal_avx2(src: &[u8], width: usize, rows: Range<usize>, taps: &[Taps]) 
     }
     out
 }
-dispatch!(vertical(src: &[u8], width: usize, cols: Range<usize>, taps: &[Taps]) => vertical_kernel);
+dispatch!(vertical(src: &[u8], width: usize, cols: Range<usize>, taps: &[Taps]) -> Vec<u8> => vertical_kernel);
 
 /// Horizontal pass: for each of `rows` rows of `src` (`width` RGB pixels each) and each
 /// tap set, the clipped weighted sum. Returns `[row][tap set]` RGB.

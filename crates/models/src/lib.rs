@@ -17,6 +17,7 @@ mod llama;
 mod llava;
 mod load;
 mod paged;
+mod paged_attention;
 mod qwen2_audio;
 mod weights;
 
@@ -28,5 +29,6 @@ pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
 pub use load::{LoadFormat, default_device_name, parse_device, resolve_dtype};
 pub use paged::{PagedKv, PagedSeq};
+pub use paged_attention::self_test as paged_attention_self_test;
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
 pub use weights::{Naming, Weights, parse_dtype};

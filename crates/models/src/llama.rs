@@ -113,6 +113,11 @@ impl Attention {
         Ok((q, k, v))
     }
 
+    /// The softmax scale, `head_dim^-½`.
+    pub(crate) fn scale(&self) -> f32 {
+        (self.head_dim as f32).powf(-0.5)
+    }
+
     /// Causal attention of one sequence's `n` new queries `q` [n, heads, head_dim] (at
     /// positions `past..past + n`) over its keys and values `k`, `v`
     /// [kv_heads, past + n, head_dim]: [n, heads · head_dim], before `o_proj`.

@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::ModelError;
 use crate::kv_write::write_kv;
 use crate::llama::Llama;
+use crate::paged_attention::{DecodeTables, paged_decode};
 
 /// The KV pool of one model: per layer, K and V `[num_blocks, kv_heads, block_size, head_dim]`.
 pub struct PagedKv {
@@ -101,7 +102,6 @@ impl PagedKv {
         Tensor::new(slots, device)
     }
 
-    /// Keys and values of one sequence's first `len` tokens: [kv_heads, len, head_dim].
     /// The padded block tables and key mask of a step of decodes.
     fn decode_batch(&self, seqs: &[PagedSeq<'_>], device: &Device) -> candle_core::Result<DecodeBatch> {
         let bs = self.block_size;
@@ -135,6 +135,7 @@ impl PagedKv {
         Ok((one(&self.k[layer])?, one(&self.v[layer])?))
     }
 
+    /// Keys and values of one sequence's first `len` tokens: [kv_heads, len, head_dim].
     fn gather(&self, layer: usize, table: &Tensor, len: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let (nkv, hd) = (self.kv_heads, self.head_dim);
         let blocks = table.dim(0)?;
@@ -150,7 +151,14 @@ impl PagedKv {
     }
 }
 
-/// One sequence of a paged forward step.
+/// How a step of decodes attends.
+enum DecodeAttention {
+    /// In place, through the block tables (the GPU).
+    InPlace(DecodeTables),
+    /// Over gathered, padded blocks (the CPU).
+    Gathered(DecodeBatch),
+}
+
 /// A step of decodes, batched: block tables padded to `width` blocks ([B · width]) and
 /// the mask that hides the padding and the unwritten rows ([B, 1, 1, width · block_size]).
 struct DecodeBatch {
@@ -160,6 +168,7 @@ struct DecodeBatch {
     width: usize,
 }
 
+/// One sequence of a paged forward step.
 #[derive(Debug, Clone, Copy)]
 pub struct PagedSeq<'a> {
     /// Tokens already in the cache: the new ones take positions `start..start + new_tokens`
@@ -230,18 +239,32 @@ impl Llama {
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
         let kv = &*kv;
-        // A step of decodes only (one new token each) attends in one batch over block
-        // tables padded to the longest, instead of one small attention per sequence.
-        let decodes = (seqs.len() > 1 && seqs.iter().all(|s| s.new_tokens == 1))
-            .then(|| kv.decode_batch(seqs, &device))
-            .transpose()?;
+        // A step of decodes only (one new token each) attends in one batch: on the GPU in
+        // place through the block tables (our kernel), on the CPU over block tables padded
+        // to the longest and gathered, instead of one small attention per sequence.
+        let all_decodes = seqs.iter().all(|s| s.new_tokens == 1);
+        let decodes = if all_decodes && device.is_cuda() {
+            let tables: Vec<(usize, &[u32])> = seqs.iter().map(|s| (s.start + 1, s.block_table)).collect();
+            Some(DecodeAttention::InPlace(DecodeTables::new(&tables, kv.block_size, &device)?))
+        } else if all_decodes && seqs.len() > 1 {
+            Some(DecodeAttention::Gathered(kv.decode_batch(seqs, &device)?))
+        } else {
+            None
+        };
         let hidden =
             self.run_layers(input_embeds, &positions, (!all_logits).then_some(&lens[..]), |layer, attn, (q, k, v)| {
                 kv.write(layer, &slots, k, v)?;
-                if let Some(batch) = &decodes {
-                    let (k, v) = kv.gather_batch(layer, batch)?;
-                    let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
-                    return attn.attend_decodes(q, &k, &v, &batch.mask);
+                match &decodes {
+                    Some(DecodeAttention::InPlace(tables)) => {
+                        let out = paged_decode(q, &kv.k[layer], &kv.v[layer], tables, attn.scale())?;
+                        return out.reshape((seqs.len(), ()));
+                    }
+                    Some(DecodeAttention::Gathered(batch)) => {
+                        let (k, v) = kv.gather_batch(layer, batch)?;
+                        let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
+                        return attn.attend_decodes(q, &k, &v, &batch.mask);
+                    }
+                    None => {}
                 }
                 let mut outs = Vec::with_capacity(seqs.len());
                 let mut offset = 0;

@@ -11,20 +11,20 @@
 //! the first 30 s is silently dropped and the features always have `nb_max_frames` (3000) frames.
 //! The attention mask marks `ceil(samples / hop_length)` frames (at most `nb_max_frames`).
 //!
-//! The spectrum and filter bank are computed in `f64` (transformers' numpy path) and the log-mel
-//! values rounded to `f32` before the final steps (done in `f32`, as both of its paths do).
-//! They agree with transformers' numpy path to 1.2e-7 (one `f32` ulp), and with the fixture, made
-//! by its torch path (`f32` throughout), to 2.3e-5, which is how far its two paths are apart.
+//! Everything runs in `f32`, as transformers' torch path does (its numpy path uses `f64` for the
+//! spectrum and filter bank; the two paths are 2.3e-5 apart on the fixture). The filter bank is
+//! built in `f64` with transformers' arithmetic order and rounded once.
 
 use std::sync::Arc;
 
+use realfft::num_complex::Complex;
 use realfft::{RealFftPlanner, RealToComplex};
 use serde_json::Value;
 
 use super::AudioError;
 
 /// The values a log-mel bin is clamped to before `log10`.
-const MEL_FLOOR: f64 = 1e-10;
+const MEL_FLOOR: f32 = 1e-10;
 
 /// transformers' `WhisperFeatureExtractor` (numpy/torch feature path; `dither` 0, no
 /// `do_normalize`), built from `preprocessor_config.json`.
@@ -42,9 +42,11 @@ pub struct WhisperFeatureExtractor {
     pub nb_max_frames: usize,
     pub padding_value: f32,
     pub return_attention_mask: bool,
-    window: Vec<f64>,
+    window: Vec<f32>,
     filters: Vec<MelFilter>,
-    fft: Arc<dyn RealToComplex<f64>>,
+    /// `filters` in `f32`: each filter's first bin, and its weights.
+    filters32: Vec<(usize, Vec<f32>)>,
+    fft: Arc<dyn RealToComplex<f32>>,
 }
 
 impl std::fmt::Debug for WhisperFeatureExtractor {
@@ -143,9 +145,11 @@ impl WhisperFeatureExtractor {
                 return Err(bad(format!("`{key}` is {stated}, but the other fields give {derived}")));
             }
         }
-        let window = (0..n_fft).map(|i| 0.5 - 0.5 * (std::f64::consts::TAU * i as f64 / n_fft as f64).cos()).collect();
+        let window =
+            (0..n_fft).map(|i| (0.5 - 0.5 * (std::f64::consts::TAU * i as f64 / n_fft as f64).cos()) as f32).collect();
         let filters = mel_filter_bank(n_fft / 2 + 1, feature_size, 0.0, 8000.0, sampling_rate as f64);
-        let fft = RealFftPlanner::<f64>::new().plan_fft_forward(n_fft);
+        let filters32 = filters.iter().map(|f| (f.start, f.weights.iter().map(|&w| w as f32).collect())).collect();
+        let fft = RealFftPlanner::<f32>::new().plan_fft_forward(n_fft);
         Ok(Self {
             feature_size,
             sampling_rate: sampling_rate as u32,
@@ -158,6 +162,7 @@ impl WhisperFeatureExtractor {
             return_attention_mask,
             window,
             filters,
+            filters32,
             fft,
         })
     }
@@ -185,35 +190,42 @@ impl WhisperFeatureExtractor {
         let mut frame = self.fft.make_input_vec();
         let mut spectrum = self.fft.make_output_vec();
         let mut scratch = self.fft.make_scratch_vec();
-        let mut power = vec![0.0f64; spectrum.len()];
-        let mut mels = vec![0f32; n_mels];
-        let silent = MEL_FLOOR.log10() as f32;
-        let mut out = vec![silent; n_mels * n_frames];
-        for t in 0..n_frames {
+        let mut power = vec![0f32; spectrum.len()];
+        let silent = MEL_FLOOR.log10();
+        // Frame-major while computing (each frame's bins are contiguous), transposed once at
+        // the end: writing [n_mels, n_frames] frame by frame strides across the whole output.
+        let mut by_frame = vec![silent; n_frames * n_mels];
+        for (t, mels) in by_frame.chunks_exact_mut(n_mels).enumerate() {
             let src = &x[t * hop..t * hop + n_fft];
             // An all-zero frame has an all-zero spectrum: every bin is the floor.
             if src.iter().all(|&v| v == 0.0) {
                 continue;
             }
             for ((f, &s), &w) in frame.iter_mut().zip(src).zip(&self.window) {
-                *f = f64::from(s) * w;
+                *f = s * w;
             }
             self.fft.process_with_scratch(&mut frame, &mut spectrum, &mut scratch).expect("FFT buffer sizes");
             for (p, c) in power.iter_mut().zip(&spectrum) {
-                *p = c.norm_sqr();
+                *p = Complex::norm_sqr(c);
             }
-            for (v, filter) in mels.iter_mut().zip(&self.filters) {
-                let bins = &power[filter.start..filter.start + filter.weights.len()];
-                let mel: f64 = bins.iter().zip(&filter.weights).map(|(p, w)| p * w).sum();
-                *v = mel.max(MEL_FLOOR) as f32;
+            for (v, (start, weights)) in mels.iter_mut().zip(&self.filters32) {
+                let bins = &power[*start..*start + weights.len()];
+                let mel: f32 = bins.iter().zip(weights).map(|(p, w)| p * w).sum();
+                *v = mel.max(MEL_FLOOR);
             }
-            // log10 in single precision over the whole frame (the loop vectorises): the
-            // value is rounded to f32 anyway; see `log2_f32` for the error.
-            for v in &mut mels {
+            // log10 over the whole frame (the loop vectorises); see `log2_f32` for the error.
+            for v in mels.iter_mut() {
                 *v = log2_f32(*v) * std::f32::consts::LOG10_2;
             }
-            for (m, &v) in mels.iter().enumerate() {
-                out[m * n_frames + t] = v;
+        }
+        // Transposed in tiles of 32 frames, whose rows stay in L1 while each mel's run is written.
+        let mut out = vec![0f32; n_mels * n_frames];
+        for t0 in (0..n_frames).step_by(32) {
+            let t1 = (t0 + 32).min(n_frames);
+            for (m, row) in out.chunks_exact_mut(n_frames).enumerate() {
+                for (t, o) in (t0..t1).zip(&mut row[t0..t1]) {
+                    *o = by_frame[t * n_mels + m];
+                }
             }
         }
         let floor = out.iter().copied().fold(f32::NEG_INFINITY, f32::max) - 8.0;
