@@ -12,7 +12,7 @@ prof() {
   timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-summary per-kernel \
     "$bin" bench model "${model[@]}" "$@" > "$OUT/profile_$name.csv" 2> "$OUT/profile_$name.err"
   echo "== $name: $(grep -c . "$OUT/profile_$name.csv") lines"; tail -n 3 "$OUT/profile_$name.err"
-  # Kernel name, invocations, total µs (ncu reports ns or µs per the unit column), top 12.
+  # Kernel name, invocations, total time (in the unit column's unit), top 12.
   python3 - "$OUT/profile_$name.csv" <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
@@ -24,7 +24,7 @@ k, inv, unit, avg = h.index("Kernel Name"), h.index("Invocations"), h.index("Met
 tot = []
 for r in rows[head + 1:]:
     if len(r) <= avg: continue
-    scale = {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3}.get(r[unit], 1)
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1, "usecond": 1, "ms": 1e3, "msecond": 1e3}[r[unit]]
     n = int(r[inv]); a = float(r[avg].replace(",", "")) * scale
     tot.append((n * a, n, r[k][:90]))
 tot.sort(reverse=True)

@@ -202,11 +202,12 @@ impl CustomOp3 for PagedDecode<'_> {
         // The lengths and block ids were checked on the host (`DecodeTables::new`, `dims`).
 
         // Enough CTAs to fill the GPU: split the positions when heads × seqs alone are few.
-        let sms = dev
-            .cuda_stream()
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()? as usize;
+        // Asked once: every layer of every step launches this.
+        static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let sms = *SMS.get_or_init(|| {
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+            dev.cuda_stream().context().attribute(attr).map_or(132, |n| n as usize)
+        });
         let ctas = d.heads * d.seqs;
         let max_len = self.tables.max_len.max(1);
         let splits = if ctas >= 2 * sms { 1 } else { (4 * sms).div_ceil(ctas).min(max_len.div_ceil(64)).max(1) };

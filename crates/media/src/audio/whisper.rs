@@ -12,8 +12,10 @@
 //! The attention mask marks `ceil(samples / hop_length)` frames (at most `nb_max_frames`).
 //!
 //! Everything runs in `f32`, as transformers' torch path does (its numpy path uses `f64` for the
-//! spectrum and filter bank; the two paths are 2.3e-5 apart on the fixture). The filter bank is
-//! built in `f64` with transformers' arithmetic order and rounded once.
+//! spectrum and filter bank; the two are 2.3e-5 apart on the fixture). The filter bank is built
+//! in `f64` with transformers' arithmetic order and rounded once. Measured: 3.2e-5 from the
+//! fixture (torch path); from the numpy path 3.0e-5 on tones, 4.9e-5 on brown noise (the widest
+//! spectral range, where f32 FFT rounding shows most), 2.9e-6 on white noise.
 
 use std::sync::Arc;
 
