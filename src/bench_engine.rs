@@ -35,6 +35,13 @@ pub struct EngineBench {
     /// Repeats of the image prompt.
     #[arg(long, default_value_t = 20)]
     pub repeats: usize,
+    /// Concurrent image requests of the burst run, each with its own generated image
+    /// (0: skip). The burst runs twice: every image new, then all of them again.
+    #[arg(long, default_value_t = 0)]
+    pub image_clients: usize,
+    /// Side of the burst's generated images in pixels.
+    #[arg(long, default_value_t = 336)]
+    pub image_size: u32,
     /// More flags for `mmserve serve` (e.g. `--serve-arg=--block-size=32`).
     #[arg(long = "serve-arg", allow_hyphen_values = true)]
     pub serve_args: Vec<String>,
@@ -94,6 +101,12 @@ impl Client {
 
     /// Seconds until the first streamed token.
     async fn ttft(&self, body: &Value) -> anyhow::Result<f64> {
+        Ok(self.stream(body).await?.0)
+    }
+
+    /// One streamed request: seconds until the first token, and the output tokens the
+    /// usage chunk reports (0 unless `body` asks for it).
+    async fn stream(&self, body: &Value) -> anyhow::Result<(f64, u64)> {
         let t0 = Instant::now();
         let resp = self.http.post(format!("{}/v1/chat/completions", self.url)).json(body).send().await?;
         if !resp.status().is_success() {
@@ -108,7 +121,11 @@ impl Client {
                 first = Some(t0.elapsed().as_secs_f64());
             }
         }
-        first.context("no token streamed")
+        let tokens = seen
+            .rsplit_once("\"completion_tokens\":")
+            .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+            .unwrap_or(0);
+        Ok((first.context("no token streamed")?, tokens))
     }
 
     /// The engine's counters from `/metrics`.
@@ -197,6 +214,77 @@ async fn calibrate(client: &Client, model: &str, want: u64) -> anyhow::Result<(F
     Ok(best)
 }
 
+/// A PNG of `side`² pixels that differs for every `seed` (a smooth pattern, as a photo's
+/// compression would see it, with the seed in its phases).
+fn generated_png(seed: usize, side: u32) -> anyhow::Result<Vec<u8>> {
+    let img = image::RgbImage::from_fn(side, side, |x, y| {
+        let (fx, fy, k) = (x as f32, y as f32, seed as f32);
+        let c = |a: f32, b: f32, p: f32| (127.5 + 127.5 * ((fx * a + fy * b) * 0.05 + p).sin()) as u8;
+        image::Rgb([c(1.0, 0.3, k), c(0.2, 1.1, k * 1.7), c(0.7, -0.6, k * 2.3)])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png)?;
+    Ok(out.into_inner())
+}
+
+/// `--image-clients` requests at once, each with its own image: output tokens/s and
+/// time to first token (median, p99), first with every image new to the embed cache,
+/// then with the same images again (embed cache hits).
+async fn image_burst(client: &Client, name: &str, b: &EngineBench, filler: Filler) -> anyhow::Result<()> {
+    use base64::Engine;
+    let bodies = (0..b.image_clients)
+        .map(|i| {
+            let png = base64::engine::general_purpose::STANDARD.encode(generated_png(i, b.image_size)?);
+            Ok(json!({
+                "model": name,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}},
+                    {"type": "text", "text": prompt_text(1_000_000 + i, filler)}
+                ]}],
+                "max_tokens": b.output_tokens, "temperature": 0, "ignore_eos": true, "stream": true,
+                "return_token_ids": true, "stream_options": {"include_usage": true},
+            }))
+        })
+        .collect::<anyhow::Result<Vec<Value>>>()?;
+    let mut rows = Vec::new();
+    for pass in ["new images", "same images again"] {
+        let before = client.metrics().await?;
+        let t0 = Instant::now();
+        let results = futures::future::join_all(bodies.iter().map(|body| client.stream(body))).await;
+        let seconds = t0.elapsed().as_secs_f64();
+        let results = results.into_iter().collect::<anyhow::Result<Vec<(f64, u64)>>>()?;
+        let hits = client.metrics().await?.prefix_hits - before.prefix_hits;
+        let mut ttft: Vec<f64> = results.iter().map(|r| r.0).collect();
+        ttft.sort_by(f64::total_cmp);
+        let p99 = ttft[((ttft.len() as f64 * 0.99).ceil() as usize).clamp(1, ttft.len()) - 1];
+        let tokens: u64 = results.iter().map(|r| r.1).sum();
+        rows.push((pass, tokens as f64 / seconds, median(&mut ttft), p99, hits / b.image_clients as f64));
+    }
+    if b.json {
+        for (pass, tps, med, p99, hits) in &rows {
+            println!(
+                "{}",
+                json!({"burst": pass, "clients": b.image_clients, "output_tokens_per_s": tps,
+                       "ttft_median_s": med, "ttft_p99_s": p99, "prefix_hit_tokens_per_request": hits})
+            );
+        }
+    } else {
+        println!(
+            "{} concurrent requests, one {}² image each, {} output tokens:",
+            b.image_clients, b.image_size, b.output_tokens
+        );
+        println!(
+            "  {:<18} {:>12} {:>12} {:>12} {:>16}",
+            "", "output tok/s", "TTFT median", "TTFT p99", "prefix hits/req"
+        );
+        for (pass, tps, med, p99, hits) in &rows {
+            println!("  {pass:<18} {tps:>12.0} {:>9.1} ms {:>9.1} ms {hits:>16.0}", med * 1e3, p99 * 1e3);
+        }
+        println!("  TTFT median, hits over misses: {:.2}", rows[1].2 / rows[0].2);
+    }
+    Ok(())
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -257,6 +345,10 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
                 c * b.rounds
             );
         }
+    }
+
+    if b.image_clients > 0 {
+        image_burst(&client, &name, &b, filler).await?;
     }
 
     // Time to first token for one image prompt seen again and again.

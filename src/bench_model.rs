@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use candle_core::{D, DType, Device, Tensor};
 use mmserve_config::{LlamaConfig, ModelConfig, ModelDir};
-use mmserve_models::{Llama, LlavaVision, LoadFormat, PagedKv, PagedSeq, Weights};
+use mmserve_models::{Llama, LlavaVision, PagedKv, PagedSeq, PlacementArgs, Weights};
 use serde_json::json;
 
 #[derive(Debug, clap::Args)]
@@ -23,15 +23,8 @@ pub struct ModelBench {
     /// Model directory (LLaVA-1.5).
     #[arg(long, default_value = "assets/models/llava-tiny")]
     pub model: PathBuf,
-    /// `safetensors`, or `dummy` (random weights from config.json).
-    #[arg(long, default_value = "safetensors")]
-    pub load_format: LoadFormat,
-    /// `cpu`, `cuda` or `cuda:N` (default: the GPU in a CUDA build).
-    #[arg(long)]
-    pub device: Option<String>,
-    /// `auto` (the checkpoint's on a GPU, float32 on the CPU), `bfloat16`, `float16`, `float32`.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
     /// Decode batch sizes, comma-separated (0: skip).
     #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
     pub batches: Vec<usize>,
@@ -90,10 +83,10 @@ fn lm_params(c: &LlamaConfig) -> (f64, f64) {
 pub fn run(b: ModelBench) -> anyhow::Result<()> {
     let dir = ModelDir::open(&b.model)?;
     let ModelConfig::Llava(cfg) = &dir.config else { bail!("bench model measures LLaVA-1.5 directories") };
-    let device = mmserve_models::parse_device(b.device.as_deref().unwrap_or(mmserve_models::default_device_name()))?;
-    let dtype = mmserve_models::resolve_dtype(&b.dtype, dir.config.dtype(), &device)?;
+    let placement = b.placement.resolve(&dir)?;
+    let (device, dtype) = (placement.device.clone(), placement.dtype);
     let t0 = Instant::now();
-    let weights = Weights::load(&dir, b.load_format, &device, dtype)?;
+    let weights = placement.weights(&dir)?;
     let llama = Llama::from_weights(&weights, &cfg.text)?;
     sync(&device)?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -109,7 +102,7 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
     note(
         &mut rows,
         json!({"model": dir.name, "device": format!("{device:?}"), "dtype": format!("{dtype:?}"),
-               "load_format": b.load_format.to_string(), "lm_params": layers + 2.0 * head, "load_s": load_s}),
+               "load_format": placement.format.to_string(), "lm_params": layers + 2.0 * head, "load_s": load_s}),
     );
 
     if b.parity {

@@ -40,6 +40,8 @@ pub struct ServeArgs {
     pub max_running_requests: usize,
     #[command(flatten)]
     pub kv: mmserve_engine::KvArgs,
+    #[command(flatten)]
+    pub placement: mmserve_models::PlacementArgs,
     /// Longest wait for one process to become ready, in seconds.
     #[arg(long, env = "MMSERVE_READY_TIMEOUT_S", default_value_t = 300)]
     pub ready_timeout_s: u64,
@@ -152,7 +154,7 @@ async fn start_all(
     if let Some(f) = &args.admin.admin_token_file {
         cache_args.extend(["--admin-token-file".into(), s(f)]);
     }
-    let encoder_args = vec![
+    let mut encoder_args = vec![
         "--socket".into(),
         s(&paths.socket("encoder")),
         "--cache-socket".into(),
@@ -171,6 +173,8 @@ async fn start_all(
         args.max_running_requests.to_string(),
     ];
     engine_args.extend(args.kv.to_args());
+    encoder_args.extend(args.placement.to_args());
+    engine_args.extend(args.placement.to_args());
     let mut api_args = vec![
         "--host".into(),
         args.host.clone(),

@@ -27,7 +27,7 @@ pub use error::ModelError;
 pub use kv_write::self_test as kv_write_self_test;
 pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
-pub use load::{LoadFormat, default_device_name, parse_device, resolve_dtype};
+pub use load::{LoadFormat, Placement, PlacementArgs, default_device_name, parse_device, resolve_dtype};
 pub use paged::{PagedKv, PagedSeq};
 pub use paged_attention::self_test as paged_attention_self_test;
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};

@@ -20,6 +20,7 @@ use mmserve_config::{LlamaConfig, ModelDir};
 
 use crate::ModelError;
 use crate::activation::Activation;
+use crate::load::Placement;
 use crate::weights::{Scope, Weights};
 
 /// One sequence's keys and values: per layer [kv_heads, len, head_dim].
@@ -237,8 +238,8 @@ pub struct Llama {
 }
 
 impl Llama {
-    pub fn load(dir: &ModelDir, device: &Device, dtype: DType) -> Result<Self, ModelError> {
-        let weights = Weights::open(&dir.weight_files()?, device, dtype)?;
+    pub fn load(dir: &ModelDir, placement: &Placement) -> Result<Self, ModelError> {
+        let weights = placement.weights(dir)?;
         Self::from_weights(&weights, dir.config.text())
     }
 

@@ -8,7 +8,7 @@
 //! `feature_hidden_state_index`), `vision_feature_select_strategy`,
 //! `projector_hidden_act`, `multimodal_projector_bias`, `text_config.hidden_size`.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Module, Tensor};
 use candle_nn::Linear;
 use mmserve_config::{FeatureSelect, LlavaConfig, ModelConfig, ModelDir};
 
@@ -16,6 +16,7 @@ use crate::ModelError;
 use crate::activation::Activation;
 use crate::clip::ClipVisionTower;
 use crate::llama::Llama;
+use crate::load::Placement;
 use crate::weights::Weights;
 
 /// The LLaVA config of a model directory.
@@ -39,8 +40,8 @@ pub struct LlavaVision {
 }
 
 impl LlavaVision {
-    pub fn load(dir: &ModelDir, device: &Device, dtype: DType) -> Result<Self, ModelError> {
-        let weights = Weights::open(&dir.weight_files()?, device, dtype)?;
+    pub fn load(dir: &ModelDir, placement: &Placement) -> Result<Self, ModelError> {
+        let weights = placement.weights(dir)?;
         Self::from_weights(&weights, llava_config(dir)?)
     }
 

@@ -92,6 +92,59 @@ pub fn default_device_name() -> &'static str {
     if cfg!(feature = "cuda") { "cuda" } else { "cpu" }
 }
 
+/// Where a model's weights come from and where they run, resolved from the flags.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub format: LoadFormat,
+    pub device: Device,
+    pub dtype: DType,
+}
+
+impl Placement {
+    /// The checkpoint's weights in float32 on the CPU (tests and the CPU build's default).
+    pub fn cpu() -> Self {
+        Placement { format: LoadFormat::Safetensors, device: Device::Cpu, dtype: DType::F32 }
+    }
+
+    /// The weights of `dir` as placed.
+    pub fn weights(&self, dir: &ModelDir) -> Result<Weights, ModelError> {
+        Weights::load(dir, self.format, &self.device, self.dtype)
+    }
+}
+
+/// `--device`, `--dtype` and `--load-format` of the processes that run a model (the
+/// encoder and the engine; `mmserve serve` passes its own on to both).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlacementArgs {
+    /// `cpu`, `cuda` or `cuda:N` (default: the first GPU in a CUDA build, else the CPU).
+    #[arg(long, env = "MMSERVE_DEVICE")]
+    pub device: Option<String>,
+    /// `auto` (the checkpoint's dtype on a GPU, float32 on the CPU), `bfloat16`,
+    /// `float16` or `float32`.
+    #[arg(long, env = "MMSERVE_DTYPE", default_value = "auto")]
+    pub dtype: String,
+    /// `safetensors`, or `dummy`: random weights from `config.json` (benchmarks of
+    /// models that are not on this machine).
+    #[arg(long, env = "MMSERVE_LOAD_FORMAT", default_value = "safetensors")]
+    pub load_format: LoadFormat,
+}
+
+impl PlacementArgs {
+    /// Opens the device and settles the dtype for the model in `dir`.
+    pub fn resolve(&self, dir: &ModelDir) -> Result<Placement, ModelError> {
+        let device = parse_device(self.device.as_deref().unwrap_or(default_device_name()))?;
+        let dtype = resolve_dtype(&self.dtype, dir.config.dtype(), &device)?;
+        Ok(Placement { format: self.load_format, device, dtype })
+    }
+
+    /// The same settings as flags, for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![format!("--dtype={}", self.dtype), format!("--load-format={}", self.load_format)];
+        a.extend(self.device.iter().map(|d| format!("--device={d}")));
+        a
+    }
+}
+
 /// `--dtype`: `auto` takes the checkpoint's dtype (`config.json`) on a GPU and float32
 /// on the CPU (where half precision is slow and only emulated); otherwise the named one.
 pub fn resolve_dtype(name: &str, config_dtype: &str, device: &Device) -> Result<DType, ModelError> {

@@ -12,13 +12,14 @@
 //! Without the key mask the valid rows move (the fixture shows differences up to 5):
 //! clips are padded to 30 s, and every row would attend to the padding.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 use candle_nn::{LayerNorm, Linear};
 use mmserve_config::{AudioEncoderConfig, ModelConfig, ModelDir, Qwen2AudioConfig, audio_token_count};
 
 use crate::ModelError;
 use crate::activation::Activation;
 use crate::encoder_attention::{Flavor, SelfAttention};
+use crate::load::Placement;
 use crate::weights::{Scope, Weights};
 
 /// The Qwen2-Audio config of a model directory.
@@ -105,8 +106,8 @@ pub struct AudioFeatures {
 }
 
 impl Qwen2AudioEncoder {
-    pub fn load(dir: &ModelDir, device: &Device, dtype: DType) -> Result<Self, ModelError> {
-        let weights = Weights::open(&dir.weight_files()?, device, dtype)?;
+    pub fn load(dir: &ModelDir, placement: &Placement) -> Result<Self, ModelError> {
+        let weights = placement.weights(dir)?;
         Self::from_weights(&weights, qwen2_audio_config(dir)?)
     }
 

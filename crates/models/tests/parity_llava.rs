@@ -5,7 +5,7 @@ mod common;
 use candle_core::{DType, Device, IndexOp};
 use common::{Reference, argmax, assert_close, fixture_dir};
 use mmserve_config::{ModelConfig, ModelDir};
-use mmserve_models::{ClipVisionTower, Llama, LlavaVision, SeqInput, Weights, merge_image_embeddings};
+use mmserve_models::{ClipVisionTower, Llama, LlavaVision, Placement, SeqInput, Weights, merge_image_embeddings};
 
 const TOL: f32 = 1e-4;
 const IMAGE_TOKEN: u32 = 1000;
@@ -17,7 +17,7 @@ fn vision_tower_and_projector_match_transformers() {
     let ModelConfig::Llava(cfg) = &dir.config else { panic!("not a LLaVA config") };
     let pixels = r.tensor("pixel_values");
 
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
+    let vision = LlavaVision::load(&dir, &Placement::cpu()).unwrap();
     assert_eq!(vision.image_size(), 56);
     assert_eq!(vision.tokens_per_image(), 16);
     // vision_feature_layer -2 of 2 layers: only layer 0 is needed.
@@ -38,8 +38,8 @@ fn vision_tower_and_projector_match_transformers() {
 fn language_model_matches_transformers() {
     let r = Reference::load();
     let dir = ModelDir::open(fixture_dir()).unwrap();
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
+    let vision = LlavaVision::load(&dir, &Placement::cpu()).unwrap();
+    let llama = Llama::load(&dir, &Placement::cpu()).unwrap();
     let ids = r.ids("input_ids");
     assert_eq!(ids.iter().filter(|&&id| id == IMAGE_TOKEN).count(), 16);
 
@@ -72,8 +72,8 @@ fn language_model_matches_transformers() {
 fn greedy_generation_with_kv_cache_matches_transformers() {
     let r = Reference::load();
     let dir = ModelDir::open(fixture_dir()).unwrap();
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
+    let vision = LlavaVision::load(&dir, &Placement::cpu()).unwrap();
+    let llama = Llama::load(&dir, &Placement::cpu()).unwrap();
     let ids = r.ids("input_ids");
     let expected_ids = r.ids("generated_ids");
     let expected_logits = r.tensor("generate_logits");

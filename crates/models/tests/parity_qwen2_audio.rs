@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{Reference, argmax, assert_close, audio_fixture_dir};
 use mmserve_config::{ModelConfig, ModelDir, audio_token_count};
-use mmserve_models::{Llama, Qwen2AudioEncoder, SeqInput, merge_image_embeddings};
+use mmserve_models::{Llama, Placement, Qwen2AudioEncoder, SeqInput, merge_image_embeddings};
 
 const TOL: f32 = 1e-4;
 
@@ -26,8 +26,8 @@ fn fixture() -> Fixture {
     let mask = r.tensor("feature_attention_mask").flatten_all().unwrap().to_vec1::<i64>().unwrap();
     let valid_frames = mask.iter().filter(|&&m| m == 1).count();
     Fixture {
-        encoder: Qwen2AudioEncoder::load(&dir, &Device::Cpu, DType::F32).unwrap(),
-        llama: Llama::load(&dir, &Device::Cpu, DType::F32).unwrap(),
+        encoder: Qwen2AudioEncoder::load(&dir, &Placement::cpu()).unwrap(),
+        llama: Llama::load(&dir, &Placement::cpu()).unwrap(),
         audio_token: cfg.audio_token_index,
         valid_frames,
         r,

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use common::{Reference, assert_close, fixture_dir, max_abs_diff};
 use mmserve_config::ModelDir;
-use mmserve_models::{Llama, LlavaVision, ModelError, Naming, SeqInput, Weights};
+use mmserve_models::{Llama, LlavaVision, ModelError, Naming, Placement, SeqInput, Weights};
 
 /// A model directory under the temp dir holding the fixture's config.json and the given
 /// tensors; removed on drop.
@@ -57,8 +57,8 @@ fn v5_name(name: &str) -> String {
 fn prompt_logits(dir: &Path) -> Tensor {
     let r = Reference::load();
     let dir = ModelDir::open(dir).unwrap();
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
+    let vision = LlavaVision::load(&dir, &Placement::cpu()).unwrap();
+    let llama = Llama::load(&dir, &Placement::cpu()).unwrap();
     let ids = r.ids("input_ids");
     let image = vision.encode(&r.tensor("pixel_values")).unwrap();
     let embeds = mmserve_models::merge_image_embeddings(&llama, &ids, 1000, &image).unwrap();
@@ -87,7 +87,7 @@ fn missing_lm_head_falls_back_to_tied_embeddings() {
     tensors.remove("language_model.lm_head.weight");
     let model = TempModel::new("tied", &tensors);
     let dir = model.open();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
+    let llama = Llama::load(&dir, &Placement::cpu()).unwrap();
     let embeds = llama.embed_tokens(&Reference::load().ids("text_only_input_ids")).unwrap();
     let n = embeds.dim(0).unwrap();
     let (mut c1, mut c2) = (llama.new_cache(), llama.new_cache());

@@ -35,6 +35,8 @@ pub struct EncoderArgs {
     /// How long an item may wait for its raw data or its encoding, in milliseconds.
     #[arg(long, env = "MMSERVE_ENCODER_TIMEOUT_MS", default_value_t = 120_000)]
     pub timeout_ms: u64,
+    #[command(flatten)]
+    pub placement: mmserve_models::PlacementArgs,
 }
 
 #[derive(Debug, thiserror::Error)]

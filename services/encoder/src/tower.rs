@@ -6,16 +6,16 @@ use candle_core::{DType, Device, Tensor};
 use mmserve_config::{ModelConfig, ModelDir};
 use mmserve_media::audio::WhisperFeatureExtractor;
 use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
-use mmserve_models::{LlavaVision, Qwen2AudioEncoder};
+use mmserve_models::{LlavaVision, Placement, Qwen2AudioEncoder};
 
 use crate::EncoderServiceError;
 
 pub(crate) enum Tower {
     /// LLaVA: the image file → CLIP pixels → vision tower and projector.
-    Vision { model: LlavaVision, processor: ClipImageProcessor, limits: ImageLimits },
+    Vision { model: LlavaVision, processor: ClipImageProcessor, limits: ImageLimits, device: Device },
     /// Qwen2-Audio: 16 kHz mono samples (decoded by the api) → log-mel features →
     /// audio tower, pooling and projector.
-    Audio { model: Qwen2AudioEncoder, features: WhisperFeatureExtractor },
+    Audio { model: Qwen2AudioEncoder, features: WhisperFeatureExtractor, device: Device },
 }
 
 /// One item's tower input.
@@ -26,17 +26,17 @@ pub(crate) struct Input {
 }
 
 impl Tower {
-    pub(crate) fn load(dir: &ModelDir) -> Result<Self, EncoderServiceError> {
+    pub(crate) fn load(dir: &ModelDir, placement: &Placement) -> Result<Self, EncoderServiceError> {
         let pp = dir.optional_json("preprocessor_config.json")?.ok_or(EncoderServiceError::NoPreprocessor)?;
         match &dir.config {
             ModelConfig::Llava(_) => {
                 let processor = ClipImageProcessor::from_json(&pp)?;
-                let model = LlavaVision::load(dir, &Device::Cpu, DType::F32)?;
+                let model = LlavaVision::load(dir, placement)?;
                 let (h, w) = processor.output_size();
                 if h != model.image_size() || w != model.image_size() {
                     return Err(EncoderServiceError::SizeMismatch { got: h.max(w), want: model.image_size() });
                 }
-                Ok(Tower::Vision { model, processor, limits: ImageLimits::default() })
+                Ok(Tower::Vision { model, processor, limits: ImageLimits::default(), device: placement.device.clone() })
             }
             ModelConfig::Qwen2Audio(cfg) => {
                 let features = WhisperFeatureExtractor::from_json(&pp)?;
@@ -47,7 +47,8 @@ impl Tower {
                         features.feature_size, features.nb_max_frames, cfg.audio.num_mel_bins
                     )));
                 }
-                Ok(Tower::Audio { model: Qwen2AudioEncoder::load(dir, &Device::Cpu, DType::F32)?, features })
+                let model = Qwen2AudioEncoder::load(dir, placement)?;
+                Ok(Tower::Audio { model, features, device: placement.device.clone() })
             }
         }
     }
@@ -77,18 +78,18 @@ impl Tower {
         let n = inputs.len();
         let flat = |t: Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
         let out = match self {
-            Tower::Vision { model, .. } => {
+            Tower::Vision { model, device, .. } => {
                 let s = model.image_size();
                 let pixels: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
-                let input = Tensor::from_vec(pixels, (n, 3, s, s), &Device::Cpu).map_err(|e| e.to_string())?;
+                let input = Tensor::from_vec(pixels, (n, 3, s, s), device).map_err(|e| e.to_string())?;
                 let rows = model.encode(&input).map_err(|e| e.to_string())?;
                 (0..n).map(|i| flat(rows.get(i)?)).collect::<candle_core::Result<Vec<_>>>()
             }
-            Tower::Audio { model, features } => {
+            Tower::Audio { model, features, device } => {
                 let valid: Vec<usize> = inputs.iter().map(|i| i.valid_frames).collect();
                 let values: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
                 let shape = (n, features.feature_size, features.nb_max_frames);
-                let input = Tensor::from_vec(values, shape, &Device::Cpu).map_err(|e| e.to_string())?;
+                let input = Tensor::from_vec(values, shape, device).map_err(|e| e.to_string())?;
                 let rows = model.encode(&input, &valid).map_err(|e| e.to_string())?;
                 rows.into_iter().map(flat).collect::<candle_core::Result<Vec<_>>>()
             }

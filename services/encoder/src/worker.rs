@@ -38,7 +38,8 @@ impl Worker {
         cache: Arc<CacheConnection>,
         shared: Arc<Shared>,
     ) -> Result<Self, EncoderServiceError> {
-        let tower = Tower::load(&ModelDir::open(&args.model)?)?;
+        let dir = ModelDir::open(&args.model)?;
+        let tower = Tower::load(&dir, &args.placement.resolve(&dir)?)?;
         let info = cache
             .call(|c| async move { c.arena(deadline(crate::CONNECT_TIMEOUT)).await })
             .await

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
+use candle_core::{D, Tensor};
 use mmserve_models::{Llama, PagedKv, PagedSeq};
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
@@ -33,7 +33,7 @@ use crate::admission::{Admission, Need, OutputLengths};
 use crate::inputs::embed_prompt;
 use crate::kv::{BlockCopy, BlockManager, KvError, SeqId};
 use crate::outbox::Outbox;
-use crate::sampler::{History, Rng, adjust, logprobs, sample};
+use crate::sampler::{History, Next, Rng, adjust, argmax_decides, logprobs, sample};
 use crate::stops::StopMatcher;
 
 pub enum Command {
@@ -479,18 +479,24 @@ impl Batcher {
         }
     }
 
-    /// Samples `seq`'s next token from `row` (its last position's logits), detokenizes,
-    /// matches stop strings and publishes the event. Returns whether `seq` finished.
-    fn emit(&mut self, seq: &mut Sequence, mut row: Vec<f32>) -> bool {
+    /// Samples `seq`'s next token from `next` (its last position's logits, or the
+    /// device's greedy pick), detokenizes, matches stop strings and publishes the event.
+    /// Returns whether `seq` finished.
+    fn emit(&mut self, seq: &mut Sequence, next: Next) -> bool {
         let p = &seq.req.params;
         let mut stop_ids: Vec<u32> = p.stop_token_ids.clone();
         if !p.ignore_eos {
             stop_ids.extend_from_slice(self.tokenizer.eos_ids());
         }
-        let raw = p.logprobs.map(|_| row.clone());
-        adjust(&mut row, p, &seq.history, &stop_ids);
-        let token = sample(&row, p, &mut seq.rng);
-        let lps = raw.map(|raw| logprobs(&raw, token, usize::from(p.logprobs.unwrap_or(0).min(20))));
+        let (token, lps) = match next {
+            Next::Greedy(token) => (token, None),
+            Next::Logits(mut row) => {
+                let raw = p.logprobs.map(|_| row.clone());
+                adjust(&mut row, p, &seq.history, &stop_ids);
+                let token = sample(&row, p, &mut seq.rng);
+                (token, raw.map(|raw| logprobs(&raw, token, usize::from(p.logprobs.unwrap_or(0).min(20)))))
+            }
+        };
         seq.output.push(token);
         seq.history.push(token);
         let mut finish = if stop_ids.contains(&token) {
@@ -544,8 +550,9 @@ impl Batcher {
         Tensor::cat(&parts, 0).map_err(|e| e.to_string())
     }
 
-    /// Logits of each planned sequence's last computed position, one row each.
-    fn forward(&mut self, running: &[Sequence], plan: &[Planned]) -> Result<Vec<Vec<f32>>, String> {
+    /// What each planned sequence samples from, one each: the logits of its last
+    /// computed position, or only their argmax where that decides ([`argmax_decides`]).
+    fn forward(&mut self, running: &[Sequence], plan: &[Planned]) -> Result<Vec<Next>, String> {
         let mut embeds = Vec::with_capacity(plan.len());
         let mut tables = Vec::with_capacity(plan.len());
         for p in plan {
@@ -564,8 +571,36 @@ impl Batcher {
             .collect();
         let input = Tensor::cat(&embeds, 0).map_err(|e| e.to_string())?;
         let logits = self.model.forward_paged(&input, &seqs, &mut self.sched.kv, false).map_err(|e| e.to_string())?;
-        logits.to_vec2::<f32>().map_err(|e| e.to_string())
+        let greedy: Vec<bool> = plan
+            .iter()
+            .map(|p| &running[p.index])
+            .map(|s| {
+                argmax_decides(&s.req.params, &s.history)
+                    && s.followers.iter().all(|f| argmax_decides(&f.req.params, &f.history))
+            })
+            .collect();
+        next_tokens(&logits, &greedy).map_err(|e| e.to_string())
     }
+}
+
+/// Each row's [`Next`]: the argmax where `greedy` says it decides (one small copy of
+/// ids from the device), the whole row otherwise (copied only for those rows).
+fn next_tokens(logits: &Tensor, greedy: &[bool]) -> candle_core::Result<Vec<Next>> {
+    let ids: Vec<u32> = if greedy.iter().any(|&g| g) { logits.argmax(D::Minus1)?.to_vec1()? } else { Vec::new() };
+    let full: Vec<u32> = (0..greedy.len() as u32).filter(|&i| !greedy[i as usize]).collect();
+    let mut rows = if full.is_empty() {
+        Vec::new()
+    } else if full.len() == greedy.len() {
+        logits.to_vec2::<f32>()?
+    } else {
+        logits.index_select(&Tensor::new(full.as_slice(), logits.device())?, 0)?.to_vec2::<f32>()?
+    }
+    .into_iter();
+    Ok(greedy
+        .iter()
+        .enumerate()
+        .map(|(i, &g)| if g { Next::Greedy(ids[i]) } else { Next::Logits(rows.next().unwrap_or_default()) })
+        .collect())
 }
 
 /// The sequence that a sibling choice of request `leader` may wait in: choice 0 with

@@ -37,6 +37,8 @@ pub struct EngineArgs {
     pub max_running_requests: usize,
     #[command(flatten)]
     pub kv: KvArgs,
+    #[command(flatten)]
+    pub placement: mmserve_models::PlacementArgs,
 }
 
 /// KV cache and scheduling flags (shared with `mmserve serve`, which passes them on).

@@ -50,6 +50,27 @@ impl History {
     }
 }
 
+/// One sequence's share of a model step, as the sampler gets it.
+#[derive(Debug, Clone)]
+pub enum Next {
+    /// The last position's logits, copied to the host: the settings need all of them.
+    Logits(Vec<f32>),
+    /// The greedy choice, made where the logits are: only the id crossed to the host.
+    Greedy(u32),
+}
+
+/// Whether the argmax alone decides the next token under `params` (greedy, no
+/// penalties, no log-probabilities, `min_tokens` met), so that the step can pick it on
+/// the device and leave the logits there.
+pub fn argmax_decides(params: &SamplingParams, history: &History) -> bool {
+    params.temperature < GREEDY_BELOW
+        && params.logprobs.is_none()
+        && params.repetition_penalty == 1.0
+        && params.presence_penalty == 0.0
+        && params.frequency_penalty == 0.0
+        && history.generated >= params.min_tokens
+}
+
 /// Applies penalties and `min_tokens` to `logits` in place.
 pub fn adjust(logits: &mut [f32], params: &SamplingParams, history: &History, stop_ids: &[u32]) {
     let p = params.repetition_penalty;
@@ -188,6 +209,27 @@ mod tests {
         let d = draws(&logits, &params(|p| p.min_p = 0.5), 1, 300);
         assert!(d.iter().all(|&t| t < 2) && d.contains(&0) && d.contains(&1));
         assert_eq!(draws(&logits, &params(|p| p.top_k = 1), 1, 10), vec![0; 10]);
+    }
+
+    #[test]
+    fn argmax_decides_only_plain_greedy() {
+        let mut h = History::default();
+        let greedy = params(|p| p.temperature = 0.0);
+        assert!(argmax_decides(&greedy, &h));
+        assert!(!argmax_decides(&params(|_| {}), &h), "sampled");
+        let with = |f: fn(&mut SamplingParams)| {
+            let mut p = greedy.clone();
+            f(&mut p);
+            p
+        };
+        assert!(!argmax_decides(&with(|p| p.logprobs = Some(0)), &h));
+        assert!(!argmax_decides(&with(|p| p.repetition_penalty = 1.1), &h));
+        assert!(!argmax_decides(&with(|p| p.presence_penalty = 0.5), &h));
+        assert!(!argmax_decides(&with(|p| p.frequency_penalty = 0.5), &h));
+        let min = with(|p| p.min_tokens = 1);
+        assert!(!argmax_decides(&min, &h), "stop tokens still banned");
+        h.push(5);
+        assert!(argmax_decides(&min, &h));
     }
 
     #[test]

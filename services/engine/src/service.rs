@@ -5,7 +5,6 @@ use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use candle_core::{DType, Device};
 use mmserve_config::ModelDir;
 use mmserve_embed_cache::ArenaView;
 use mmserve_models::{Llama, PagedKv};
@@ -85,7 +84,9 @@ pub struct EngineService {
 impl EngineService {
     pub fn start(args: &EngineArgs, info: ArenaInfo, cache: CacheConnection) -> Result<Self, EngineServiceError> {
         let dir = ModelDir::open(&args.model)?;
-        let model = Llama::load(&dir, &Device::Cpu, DType::F32)?;
+        let placement = args.placement.resolve(&dir)?;
+        let model = Llama::load(&dir, &placement)?;
+        tracing::info!(device = ?placement.device, dtype = ?placement.dtype, format = %placement.format, "language model loaded");
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         let view = ArenaView::open(&info)?;
         let vocab = model.config().vocab_size;

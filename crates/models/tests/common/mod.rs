@@ -65,12 +65,11 @@ pub fn argmax(row: &Tensor) -> u32 {
 /// The fixture's language model with its two prompts as input embeddings: the image
 /// prompt (projector rows merged in) and the text-only prompt.
 pub fn prompts() -> (mmserve_models::Llama, Tensor, Tensor) {
-    use candle_core::{DType, Device};
-    use mmserve_models::{Llama, LlavaVision, merge_image_embeddings};
+    use mmserve_models::{Llama, LlavaVision, Placement, merge_image_embeddings};
     let r = Reference::load();
     let dir = mmserve_config::ModelDir::open(fixture_dir()).unwrap();
-    let vision = LlavaVision::load(&dir, &Device::Cpu, DType::F32).unwrap();
-    let llama = Llama::load(&dir, &Device::Cpu, DType::F32).unwrap();
+    let vision = LlavaVision::load(&dir, &Placement::cpu()).unwrap();
+    let llama = Llama::load(&dir, &Placement::cpu()).unwrap();
     let features = vision.encode(&r.tensor("pixel_values")).unwrap();
     let image = merge_image_embeddings(&llama, &r.ids("input_ids"), 1000, &features).unwrap();
     let text = llama.embed_tokens(&r.ids("text_only_input_ids")).unwrap();

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::{DType, Device};
 use mmserve_config::ModelDir;
 use mmserve_embed_cache::ArenaView;
-use mmserve_models::{Llama, PagedKv};
+use mmserve_models::{Llama, PagedKv, Placement};
 use mmserve_protocol::{ArenaDtype, ArenaInfo, FinishReason, GenerateRequest, OutputEvent, SamplingParams};
 use mmserve_shm::Segment;
 use mmserve_text::TextTokenizer;
@@ -50,7 +50,7 @@ impl Harness {
     fn new(s: Setup) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = model_dir();
-        let model = Llama::load(&dir, &Device::Cpu, DType::F32).expect("model");
+        let model = Llama::load(&dir, &Placement::cpu()).expect("model");
         let tokenizer = TextTokenizer::from_dir(&dir).expect("tokenizer");
         let hidden = model.config().hidden_size as u32;
         let name = format!("mmserve-batchtest-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
@@ -398,4 +398,17 @@ fn a_seeded_request_samples_the_same_alone_or_among_others() {
     crowd.run(500, &mut log);
     assert_eq!(ids(&log[&1]), want);
     assert_eq!(want.len(), 12);
+}
+
+#[test]
+fn device_argmax_for_greedy_rows_full_rows_for_the_rest() {
+    use crate::sampler::Next;
+    let rows = [[0.0f32, 3.0, 1.0, 3.0], [5.0, -1.0, 0.0, 2.0], [-2.0, -1.0, -3.0, -0.5]];
+    let logits = candle_core::Tensor::new(&rows, &Device::Cpu).unwrap();
+    let next = super::next_tokens(&logits, &[true, false, true]).unwrap();
+    assert!(matches!(next[0], Next::Greedy(1)), "first of tied maxima, as torch.argmax: {:?}", next[0]);
+    assert!(matches!(&next[1], Next::Logits(r) if r == &rows[1]), "{:?}", next[1]);
+    assert!(matches!(next[2], Next::Greedy(3)), "{:?}", next[2]);
+    let all = super::next_tokens(&logits, &[false; 3]).unwrap();
+    assert!(all.iter().zip(&rows).all(|(n, r)| matches!(n, Next::Logits(l) if l == r)));
 }
