@@ -288,6 +288,7 @@ fn parity(
     let (paged_abs, paged_rel) = diff(&paged, &want)?;
     let kernels_differing = mmserve_models::kv_write_self_test(&device)?;
     let attention_differing = mmserve_models::paged_attention_self_test(&device)?;
+    let fused_differing = mmserve_models::fused_self_test(&device)?;
     // Greedy with the KV cache, as generate() runs: contiguous, then paged (our decode
     // attention kernel on a GPU).
     let want_ids: Vec<u32> = get("generated_ids")?.to_dtype(DType::U32)?.to_vec1()?;
@@ -319,5 +320,6 @@ fn parity(
               "paged_logits_max_abs": paged_abs, "paged_logits_max_rel": paged_rel,
               "kv_write_kernel_differs_for": kernels_differing,
               "paged_attention_kernel_differs": attention_differing,
+              "fused_kernels_differ": fused_differing,
               "greedy": got, "greedy_reference": want_ids}))
 }

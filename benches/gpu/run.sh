@@ -19,3 +19,10 @@ timeout 420 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format
   --dtype bfloat16 --json | tee "$OUT/mmserve_llava7b.jsonl"
 echo "== transformers, same model, same machine"
 timeout 420 python3 benches/gpu/hf_llava_baseline.py
+echo "== end to end through mmserve serve, llava-1.5-7b shapes (dummy bf16, stand-in tokenizer)"
+python3 benches/gpu/stand_in_model.py /tmp/llava-1.5-7b-stand-in >/dev/null
+timeout 560 $bin bench engine --model /tmp/llava-1.5-7b-stand-in --clients 1,64 --rounds 1 \
+  --prompt-tokens 512 --output-tokens 128 --image-clients 64 --repeats 5 \
+  --serve-arg=--load-format=dummy --serve-arg=--device=cuda --serve-arg=--dtype=bfloat16 \
+  --serve-arg=--kv-cache-memory=48GiB --serve-arg=--max-running-requests=64 \
+  --serve-arg=--chunked-prefill-size=8192 | tee "$OUT/mmserve_e2e.txt"

@@ -11,7 +11,9 @@
 //! only feeds the pooled output, which LLaVA does not use, so it is never loaded.
 
 use candle_core::{Module, Tensor};
-use candle_nn::{LayerNorm, Linear};
+use candle_nn::LayerNorm;
+
+use crate::linear::Linear;
 use mmserve_config::ClipVisionConfig;
 
 use crate::ModelError;

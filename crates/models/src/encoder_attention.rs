@@ -3,8 +3,9 @@
 //! out projections over `[batch, tokens, dim]`, all rows attending to all keys that the
 //! optional mask leaves visible.
 
+use crate::fused::scaled_softmax;
+use crate::linear::Linear;
 use candle_core::{DType, Module, Tensor};
-use candle_nn::Linear;
 
 use crate::ModelError;
 use crate::weights::Scope;
@@ -49,13 +50,18 @@ impl SelfAttention {
         let q = heads(if self.scale_queries { (q * self.scale)? } else { q })?;
         let (k, v) = (heads(self.k_proj.forward(x)?)?, heads(self.v_proj.forward(x)?)?);
         let scores = q.matmul(&k.t()?)?;
-        let scores = if self.scale_queries { scores } else { (scores * self.scale)? }.to_dtype(DType::F32)?;
-        let scores = match key_mask {
-            Some(mask) => scores.broadcast_add(mask)?,
-            None => scores,
+        let probs = if scores.device().is_cuda() && key_mask.is_none() {
+            // One fused pass in f32 instead of scale, cast, softmax and cast back.
+            scaled_softmax(&scores, if self.scale_queries { 1.0 } else { self.scale as f32 }, None)?
+        } else {
+            let scores = if self.scale_queries { scores } else { (scores * self.scale)? }.to_dtype(DType::F32)?;
+            let scores = match key_mask {
+                Some(mask) => scores.broadcast_add(mask)?,
+                None => scores,
+            };
+            candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?
         };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.to_dtype(v.dtype())?.matmul(&v)?;
+        let out = probs.matmul(&v)?;
         self.out_proj.forward(&out.transpose(1, 2)?.reshape((b, n, d))?)
     }
 }

@@ -10,9 +10,12 @@
 
 mod activation;
 mod clip;
+mod elem;
 mod encoder_attention;
 mod error;
+mod fused;
 mod kv_write;
+mod linear;
 mod llama;
 mod llava;
 mod load;
@@ -24,7 +27,9 @@ mod weights;
 pub use activation::Activation;
 pub use clip::ClipVisionTower;
 pub use error::ModelError;
+pub use fused::self_test as fused_self_test;
 pub use kv_write::self_test as kv_write_self_test;
+pub use linear::Linear;
 pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
 pub use load::{LoadFormat, Placement, PlacementArgs, default_device_name, parse_device, resolve_dtype};

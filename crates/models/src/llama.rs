@@ -15,7 +15,10 @@
 //! transformers computes them.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Linear, RmsNorm};
+use candle_nn::RmsNorm;
+
+use crate::fused::scaled_softmax;
+use crate::linear::Linear;
 use mmserve_config::{LlamaConfig, ModelDir};
 
 use crate::ModelError;
@@ -130,14 +133,19 @@ impl Attention {
         // Query heads g*groups..(g+1)*groups share kv head g: fold them into rows.
         let q = q.transpose(0, 1)?.contiguous()?.reshape((nkv, groups * n, hd))?;
         let scale = (hd as f64).powf(-0.5);
-        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-        let scores = if n > 1 {
-            let mask = causal_mask(n, past, q.device())?;
-            scores.reshape((nkv, groups, n, total))?.broadcast_add(&mask)?.reshape((nkv, groups * n, total))?
+        let probs = if q.device().is_cuda() {
+            // One fused pass in f32 instead of scale, cast, mask, softmax and cast back.
+            scaled_softmax(&q.matmul(&k.t()?)?, scale as f32, (n > 1).then_some((n, past)))?
         } else {
-            scores
+            let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+            let scores = if n > 1 {
+                let mask = causal_mask(n, past, q.device())?;
+                scores.reshape((nkv, groups, n, total))?.broadcast_add(&mask)?.reshape((nkv, groups * n, total))?
+            } else {
+                scores
+            };
+            candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?
         };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let out = probs.matmul(v)?.reshape((nh, n, hd))?.transpose(0, 1)?;
         out.reshape((n, nh * hd))
     }

@@ -8,8 +8,8 @@
 //! `feature_hidden_state_index`), `vision_feature_select_strategy`,
 //! `projector_hidden_act`, `multimodal_projector_bias`, `text_config.hidden_size`.
 
+use crate::linear::Linear;
 use candle_core::{Module, Tensor};
-use candle_nn::Linear;
 use mmserve_config::{FeatureSelect, LlavaConfig, ModelConfig, ModelDir};
 
 use crate::ModelError;

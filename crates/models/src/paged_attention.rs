@@ -10,6 +10,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use crate::ModelError;
+use crate::elem::FromF32;
 
 /// The block tables of a step of decodes, as the kernel reads them: u32
 /// `[seqs, 1 + width]`, each row the sequence's length (the keys to attend over: its new
@@ -119,25 +120,6 @@ fn reference<T: Copy + Into<f32> + FromF32>(
         }
     }
     out
-}
-
-trait FromF32 {
-    fn from_f32(x: f32) -> Self;
-}
-impl FromF32 for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-}
-impl FromF32 for half::bf16 {
-    fn from_f32(x: f32) -> Self {
-        half::bf16::from_f32(x)
-    }
-}
-impl FromF32 for half::f16 {
-    fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
-    }
 }
 
 impl CustomOp3 for PagedDecode<'_> {

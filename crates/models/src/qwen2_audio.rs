@@ -13,7 +13,9 @@
 //! clips are padded to 30 s, and every row would attend to the padding.
 
 use candle_core::{Device, Module, Tensor};
-use candle_nn::{LayerNorm, Linear};
+use candle_nn::LayerNorm;
+
+use crate::linear::Linear;
 use mmserve_config::{AudioEncoderConfig, ModelConfig, ModelDir, Qwen2AudioConfig, audio_token_count};
 
 use crate::ModelError;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{IndexOp, Tensor};
 use common::{Reference, argmax, assert_close, audio_fixture_dir};
 use mmserve_config::{ModelConfig, ModelDir, audio_token_count};
 use mmserve_models::{Llama, Placement, Qwen2AudioEncoder, SeqInput, merge_image_embeddings};

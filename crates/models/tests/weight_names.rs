@@ -102,7 +102,7 @@ fn broken_checkpoints_are_errors() {
     let mut missing = hub_tensors();
     missing.remove("language_model.model.layers.1.mlp.up_proj.weight");
     let model = TempModel::new("missing", &missing);
-    match Llama::load(&model.open(), &Device::Cpu, DType::F32) {
+    match Llama::load(&model.open(), &Placement::cpu()) {
         Err(ModelError::MissingTensor(name)) => {
             assert_eq!(name, "language_model.model.layers.1.mlp.up_proj.weight")
         }
@@ -113,7 +113,7 @@ fn broken_checkpoints_are_errors() {
     let name = "multi_modal_projector.linear_1.weight".to_string();
     wrong.insert(name.clone(), Tensor::zeros((64, 31), DType::F32, &Device::Cpu).unwrap());
     let model = TempModel::new("shape", &wrong);
-    match LlavaVision::load(&model.open(), &Device::Cpu, DType::F32) {
+    match LlavaVision::load(&model.open(), &Placement::cpu()) {
         Err(ModelError::ShapeMismatch { name: n, expected, found }) => {
             assert_eq!((n, expected, found), (name, vec![64, 32], vec![64, 31]));
         }
@@ -123,7 +123,7 @@ fn broken_checkpoints_are_errors() {
     let unrelated: HashMap<String, Tensor> =
         [("foo".to_string(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap())].into();
     let model = TempModel::new("unrelated", &unrelated);
-    assert!(matches!(Llama::load(&model.open(), &Device::Cpu, DType::F32), Err(ModelError::MissingTensor(_))));
+    assert!(matches!(Llama::load(&model.open(), &Placement::cpu()), Err(ModelError::MissingTensor(_))));
 }
 
 #[test]

@@ -1,0 +1,294 @@
+//! Fused elementwise ops on the GPU (`kernels/fused.cu`), where candle would chain
+//! separate passes over the tensor: the scaled (optionally causal) softmax of attention
+//! scores, and the bias add after a linear layer. Each has a CPU twin that computes the
+//! same thing in f32; the kernels are tested against it ([`self_test`]). The model code
+//! calls them on the GPU only: the CPU keeps candle's ops, whose results the parity tests
+//! pin down.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor};
+
+use crate::ModelError;
+use crate::elem::FromF32;
+
+/// `softmax(scale · x)` over the last dim, in f32, in x's dtype. `causal: Some((n, past))`:
+/// the rows are queries folded as `[.., n]` (row r is query `r % n`, at position
+/// `past + r % n`), each seeing the columns up to its own position (the rest come out 0).
+#[derive(Debug, Clone, Copy)]
+struct ScaledSoftmax {
+    scale: f32,
+    causal: Option<(usize, usize)>,
+}
+
+impl ScaledSoftmax {
+    fn dims(&self, l: &Layout) -> candle_core::Result<(usize, usize)> {
+        if !l.is_contiguous() {
+            candle_core::bail!("scaled_softmax: the scores must be contiguous");
+        }
+        let cols = l.dims().last().copied().unwrap_or(1);
+        let rows = l.shape().elem_count() / cols.max(1);
+        if let Some((n, _)) = self.causal
+            && (n == 0 || !rows.is_multiple_of(n))
+        {
+            candle_core::bail!("scaled_softmax: {rows} rows are not groups of {n} queries");
+        }
+        Ok((rows, cols))
+    }
+
+    /// Columns row `r` sees.
+    fn visible(&self, r: usize, cols: usize) -> usize {
+        self.causal.map_or(cols, |(n, past)| cols.min(past + r % n + 1))
+    }
+
+    fn reference<T: FromF32>(&self, x: &[T], rows: usize, cols: usize) -> Vec<T> {
+        let mut out = Vec::with_capacity(rows * cols);
+        for (r, row) in x.chunks(cols).take(rows).enumerate() {
+            let vis = self.visible(r, cols);
+            let scaled: Vec<f32> = row[..vis].iter().map(|&v| v.into() * self.scale).collect();
+            let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = scaled.iter().map(|&v| (v - max).exp()).sum();
+            out.extend(scaled.iter().map(|&v| T::from_f32((v - max).exp() / sum)));
+            out.extend((vis..cols).map(|_| T::from_f32(0.0)));
+        }
+        out
+    }
+}
+
+impl CustomOp1 for ScaledSoftmax {
+    fn name(&self) -> &'static str {
+        "scaled_softmax"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, cols) = self.dims(l)?;
+        let o = l.start_offset();
+        let out = match x {
+            CpuStorage::F32(x) => CpuStorage::F32(self.reference(&x[o..], rows, cols)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(self.reference(&x[o..], rows, cols)),
+            CpuStorage::F16(x) => CpuStorage::F16(self.reference(&x[o..], rows, cols)),
+            _ => candle_core::bail!("scaled_softmax: the scores must be f32, bf16 or f16"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        const WARPS: usize = 8; // SOFTMAX_WARPS in the kernel
+
+        let (rows, cols) = self.dims(l)?;
+        let dev = x.device().clone();
+        let (n, past) = self.causal.map_or((0, 0), |(n, past)| (n as i32, past as i32));
+        let (rows_arg, cols_arg) = (rows as i64, i32::try_from(cols).map_err(candle_core::Error::wrap)?);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(WARPS) as u32, 1, 1),
+            block_dim: (WARPS as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        macro_rules! launch {
+            ($t:ty, $suffix:literal) => {{
+                let x = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+                // SAFETY: the kernel writes every element of every row.
+                let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
+                let func = dev.get_or_load_custom_func(concat!("scaled_softmax_", $suffix), "mmserve_fused", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&mut out).arg(&rows_arg).arg(&cols_arg).arg(&self.scale).arg(&n).arg(&past);
+                // SAFETY: reads and writes [rows, cols] contiguous from the slices' starts.
+                unsafe { b.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match x.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("scaled_softmax: unsupported dtype {other:?}"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// `x [.., cols] + b [cols]`, x contiguous.
+struct AddBias;
+
+fn bias_dims(lx: &Layout, lb: &Layout) -> candle_core::Result<(usize, usize)> {
+    let cols = lx.dims().last().copied().unwrap_or(1);
+    if !lx.is_contiguous() || !lb.is_contiguous() || lb.shape().elem_count() != cols {
+        candle_core::bail!("add_bias: x {:?} and bias {:?} do not fit", lx.shape(), lb.shape());
+    }
+    Ok((lx.shape().elem_count(), cols))
+}
+
+fn add_bias_reference<T: FromF32>(x: &[T], b: &[T], n: usize, cols: usize) -> Vec<T> {
+    x[..n].iter().enumerate().map(|(i, &v)| T::from_f32(v.into() + b[i % cols].into())).collect()
+}
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "add_bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, cols) = bias_dims(lx, lb)?;
+        let (ox, ob) = (lx.start_offset(), lb.start_offset());
+        let out = match (x, b) {
+            (CpuStorage::F32(x), CpuStorage::F32(b)) => {
+                CpuStorage::F32(add_bias_reference(&x[ox..], &b[ob..], n, cols))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(add_bias_reference(&x[ox..], &b[ob..], n, cols))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(b)) => {
+                CpuStorage::F16(add_bias_reference(&x[ox..], &b[ob..], n, cols))
+            }
+            _ => candle_core::bail!("add_bias: x and the bias must share a float dtype"),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+
+        let (n, cols) = bias_dims(lx, lb)?;
+        let dev = x.device().clone();
+        let (n_arg, cols_arg) = (n as i64, i32::try_from(cols).map_err(candle_core::Error::wrap)?);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        macro_rules! launch {
+            ($t:ty, $suffix:literal) => {{
+                let x = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+                let b = b.as_cuda_slice::<$t>()?.slice(lb.start_offset()..);
+                // SAFETY: the grid-stride loop writes every element.
+                let mut out = unsafe { dev.alloc::<$t>(n)? };
+                let func = dev.get_or_load_custom_func(concat!("add_bias_", $suffix), "mmserve_fused", PTX)?;
+                let mut builder = func.builder();
+                builder.arg(&x).arg(&b).arg(&mut out).arg(&n_arg).arg(&cols_arg);
+                // SAFETY: reads n elements of x and cols of b, writes n of out.
+                unsafe { builder.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match x.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("add_bias: unsupported dtype {other:?}"),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+}
+
+#[cfg(feature = "cuda")]
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+
+/// `softmax(scale · scores)` over the last dim in f32, in the scores' dtype; `causal`:
+/// see [`ScaledSoftmax`] (rows as `[.., n]` queries at positions `past..past + n`).
+pub(crate) fn scaled_softmax(
+    scores: &Tensor,
+    scale: f32,
+    causal: Option<(usize, usize)>,
+) -> candle_core::Result<Tensor> {
+    scores.contiguous()?.apply_op1_no_bwd(&ScaledSoftmax { scale, causal })
+}
+
+/// `x + bias` with `bias` [cols] broadcast over x's rows.
+pub(crate) fn add_bias(x: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op2_no_bwd(bias, &AddBias)
+}
+
+/// Runs the kernels on `device` against their CPU twins on random inputs (odd sizes,
+/// causal and not, rows longer than a warp's sweep, f32/bf16/f16): a line per case whose
+/// results differ by more than the output's rounding.
+pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+    let mut bad = Vec::new();
+    // (rows, cols, causal)
+    let cases: [(usize, usize, Option<(usize, usize)>); 5] =
+        [(7, 5, None), (64, 577, None), (6, 9, Some((3, 6))), (2 * 37, 37, Some((37, 0))), (4, 2100, Some((2, 2098)))];
+    for (i, &(rows, cols, causal)) in cases.iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = (Tensor::randn(0f32, 3.0, (rows, cols), &Device::Cpu)?).to_dtype(dtype)?;
+            let bias = Tensor::randn(0f32, 1.0, cols, &Device::Cpu)?.to_dtype(dtype)?;
+            let (xd, bd) = (x.to_device(device)?, bias.to_device(device)?);
+            let tol = match dtype {
+                DType::BF16 => 2f32.powi(-7),
+                DType::F16 => 2f32.powi(-10),
+                _ => 1e-6,
+            };
+            let softmax = (scaled_softmax(&xd, 0.37, causal)?, scaled_softmax(&x, 0.37, causal)?);
+            let biased = (add_bias(&xd, &bd)?, add_bias(&x, &bias)?);
+            for (what, (got, want), scale) in [("softmax", softmax, 1.0), ("bias", biased, 8.0)] {
+                let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, |m, d| m.max(d));
+                if worst.is_nan() || worst > 2.0 * tol * scale {
+                    bad.push(format!("{what} case {i} {dtype:?}: max |Δ| {worst:.3e}"));
+                }
+            }
+        }
+    }
+    Ok(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_twin_matches_candle_with_a_causal_mask() {
+        let dev = Device::Cpu;
+        let (groups, n, past) = (2, 3, 4);
+        let x = Tensor::randn(0f32, 2.0, (groups * n, past + n), &dev).unwrap();
+        let got = scaled_softmax(&x, 0.5, Some((n, past))).unwrap();
+        let mask: Vec<f32> = (0..groups * n)
+            .flat_map(|r| (0..past + n).map(move |j| if j <= past + r % n { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (groups * n, past + n), &dev).unwrap();
+        let want = candle_nn::ops::softmax_last_dim(&((x * 0.5).unwrap() + mask).unwrap()).unwrap();
+        let d = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-6, "{d}");
+    }
+
+    #[test]
+    fn bias_twin_matches_broadcast_add() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 5), &dev).unwrap();
+        let b = Tensor::randn(0f32, 1.0, 5, &dev).unwrap();
+        let d = (add_bias(&x, &b).unwrap() - x.broadcast_add(&b).unwrap()).unwrap();
+        assert_eq!(d.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn self_test_compares_the_cpu_with_itself() {
+        assert!(self_test(&Device::Cpu).unwrap().is_empty());
+    }
+
+    #[test]
+    fn refuses_misfits() {
+        let x = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        assert!(add_bias(&x, &Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()).is_err());
+        assert!(scaled_softmax(&x, 1.0, Some((3, 0))).is_err(), "4 rows are not groups of 3");
+    }
+}

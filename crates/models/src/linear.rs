@@ -1,0 +1,40 @@
+//! `nn.Linear` (y = x·Wᵀ + b over the last dim). On the CPU exactly candle's `Linear`
+//! (whose results the parity tests pin down). On the GPU the leading dims fold into one
+//! GEMM (not a batch of them over a broadcast weight) and the bias is added by our fused
+//! kernel: candle's broadcast add was the vision tower's largest elementwise cost.
+
+use candle_core::{Module, Tensor};
+
+use crate::fused::add_bias;
+
+#[derive(Debug, Clone)]
+pub struct Linear {
+    inner: candle_nn::Linear,
+}
+
+impl Linear {
+    /// `weight` [out, in], `bias` [out].
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear { inner: candle_nn::Linear::new(weight, bias) }
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if !x.device().is_cuda() {
+            return self.inner.forward(x);
+        }
+        let (w, dims) = (self.inner.weight(), x.dims());
+        let k = dims.last().copied().unwrap_or(1);
+        let y = x.reshape((x.elem_count() / k.max(1), k))?.matmul(&w.t()?)?;
+        let y = match self.inner.bias() {
+            Some(b) => add_bias(&y, b)?,
+            None => y,
+        };
+        let mut out = dims.to_vec();
+        if let Some(last) = out.last_mut() {
+            *last = w.dim(0)?;
+        }
+        y.reshape(out)
+    }
+}
