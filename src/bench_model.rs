@@ -271,13 +271,16 @@ fn parity(
     let mut cache = llama.new_cache();
     let logits = llama.forward(&embeds, &mut [SeqInput { new_tokens: ids.len(), cache: &mut cache }], true)?;
     let want = get("logits")?;
-    let diff = |a: &Tensor, b: &Tensor| -> anyhow::Result<(f32, f32)> {
+    // Max |Δ| over the largest |logit|, and ‖Δ‖₂ / ‖reference‖₂ (the usual relative error).
+    let diff = |a: &Tensor, b: &Tensor| -> anyhow::Result<(f32, f32, f32)> {
         let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-        let abs = (&a - &b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let d = (&a - &b)?;
+        let abs = d.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        Ok((abs, abs / scale.max(f32::MIN_POSITIVE)))
+        let l2 = |t: &Tensor| -> anyhow::Result<f32> { Ok(t.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt()) };
+        Ok((abs, abs / scale.max(f32::MIN_POSITIVE), l2(&d)? / l2(&b)?.max(f32::MIN_POSITIVE)))
     };
-    let (abs, rel) = diff(&logits, &want)?;
+    let (abs, rel, l2_rel) = diff(&logits, &want)?;
     // The same prompt through the paged path (our KV-write kernel on a GPU).
     let bs = 16;
     let blocks = ids.len().div_ceil(bs);
@@ -285,7 +288,7 @@ fn parity(
     let table: Vec<u32> = (0..blocks as u32).rev().collect();
     let seqs = [PagedSeq { start: 0, new_tokens: ids.len(), block_table: &table }];
     let paged = llama.forward_paged(&embeds, &seqs, &mut kv, true)?;
-    let (paged_abs, paged_rel) = diff(&paged, &want)?;
+    let (paged_abs, paged_rel, _) = diff(&paged, &want)?;
     let kernels_differing = mmserve_models::kv_write_self_test(&device)?;
     let attention_differing = mmserve_models::paged_attention_self_test(&device)?;
     let fused_differing = mmserve_models::fused_self_test(&device)?;
@@ -315,7 +318,8 @@ fn parity(
         start += n;
         input = llama.embed_tokens(&[next])?;
     }
-    Ok(json!({"parity_logits_max_abs": abs, "parity_logits_max_rel": rel, "greedy_identical": got == want_ids,
+    Ok(json!({"parity_logits_max_abs": abs, "parity_logits_max_rel": rel, "parity_logits_l2_rel": l2_rel,
+              "greedy_identical": got == want_ids,
               "paged_greedy_identical": got_paged == want_ids,
               "paged_logits_max_abs": paged_abs, "paged_logits_max_rel": paged_rel,
               "kv_write_kernel_differs_for": kernels_differing,
