@@ -94,14 +94,20 @@ impl Link {
     async fn set_items_data(&self, ids: Vec<u64>) {
         let _ = match self {
             Link::Direct(c) => c.set_items_data(deadline(CALL_TIMEOUT), ids).await.map(drop),
-            Link::Coalesced(c) => Ok(drop(c.set_items_data(ids).await)),
+            Link::Coalesced(c) => {
+                c.set_items_data(ids).await;
+                Ok(())
+            }
         };
     }
 
     async fn release(&self, ids: Vec<u64>) {
         let _ = match self {
             Link::Direct(c) => c.release(deadline(CALL_TIMEOUT), ids).await.map(drop),
-            Link::Coalesced(c) => Ok(drop(c.release(ids).await)),
+            Link::Coalesced(c) => {
+                c.release(ids).await;
+                Ok(())
+            }
         };
     }
 }
@@ -115,10 +121,11 @@ pub async fn run(bench: Bench) -> anyhow::Result<()> {
     }
 }
 
-/// Per file: the encoder's work (decode and preprocess) and the api's (header check and
+/// Per file: the encoder's work (decode and preprocess, into the vectors the tower's input
+/// is made from; not `mmserve preprocess`'s serialisation) and the api's (header check and
 /// digests), seconds per item, best of `repeat` runs after one warm-up.
 fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
-    use crate::preprocess::{Preprocessor, run_one};
+    use crate::preprocess::{Preprocessor, prepare};
     let pre = Preprocessor::load(&b.preprocessor)?;
     let model_config =
         serde_json::json!({"model_type": "llava", "vision_config": {"image_size": 336, "patch_size": 14}});
@@ -137,7 +144,7 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
             }
             Ok(best)
         };
-        let encoder = time(&|| run_one(&pre, Some(&model_config), &bytes).map(drop))?;
+        let encoder = time(&|| prepare(&pre, Some(&model_config), &bytes).map(drop))?;
         let api = time(&|| {
             if matches!(pre, Preprocessor::Image(_)) {
                 mmserve_media::image_header(&bytes)?;

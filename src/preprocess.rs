@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use mmserve_media::audio::{AudioLimits, WhisperFeatureExtractor, decode_audio, qwen2_audio_tokens};
+use mmserve_media::audio::{AudioLimits, Features, WhisperFeatureExtractor, decode_audio, qwen2_audio_tokens};
 use mmserve_media::{ImageLimits, ImagePixels, ImageProcessor, decode_image};
 use safetensors::{Dtype, tensor::TensorView};
 use serde_json::Value;
@@ -66,30 +66,50 @@ impl Tensors {
     }
 }
 
+/// What the encoder computes from one item's bytes (decoded and preprocessed), with the
+/// token count: the work `bench preprocess` times.
+pub enum Prepared {
+    Image { pixels: ImagePixels, tokens: usize },
+    Audio { features: Features },
+}
+
 /// The encoder's input for `bytes`.
-pub fn run_one(pre: &Preprocessor, model_config: Option<&Value>, bytes: &[u8]) -> anyhow::Result<Tensors> {
-    let mut t = Tensors(Vec::new());
-    match pre {
+pub fn prepare(pre: &Preprocessor, model_config: Option<&Value>, bytes: &[u8]) -> anyhow::Result<Prepared> {
+    Ok(match pre {
         Preprocessor::Image(p) => {
             let img = decode_image(bytes, &ImageLimits::default())?;
             let pixels = p.preprocess(&img)?;
             let tokens = match &pixels {
+                ImagePixels::Clip { .. } => clip_tokens(model_config)?,
+                ImagePixels::Qwen2Vl(_) => p.num_tokens(img.width(), img.height())?.unwrap_or(0),
+            };
+            Prepared::Image { pixels, tokens }
+        }
+        Preprocessor::Audio(fe) => {
+            let wave = decode_audio(bytes, None, &AudioLimits::default())?;
+            Prepared::Audio { features: fe.extract(&wave.samples) }
+        }
+    })
+}
+
+/// [`prepare`]'s result under transformers' names and shapes.
+pub fn run_one(pre: &Preprocessor, model_config: Option<&Value>, bytes: &[u8]) -> anyhow::Result<Tensors> {
+    let mut t = Tensors(Vec::new());
+    match prepare(pre, model_config, bytes)? {
+        Prepared::Image { pixels, tokens } => {
+            match &pixels {
                 ImagePixels::Clip { pixel_values, height, width } => {
                     t.f32("pixel_values", vec![1, 3, *height, *width], pixel_values);
-                    clip_tokens(model_config)?
                 }
                 ImagePixels::Qwen2Vl(q) => {
                     t.f32("pixel_values", pixels.shape(), &q.pixel_values);
                     let g = q.grid_thw.map(i64::from);
                     t.i64("image_grid_thw", vec![1, 3], &g);
-                    p.num_tokens(img.width(), img.height())?.unwrap_or(0)
                 }
-            };
+            }
             t.i64("num_tokens", vec![1], &[tokens as i64]);
         }
-        Preprocessor::Audio(fe) => {
-            let wave = decode_audio(bytes, None, &AudioLimits::default())?;
-            let f = fe.extract(&wave.samples);
+        Prepared::Audio { features: f } => {
             t.f32("input_features", vec![1, f.n_mels, f.n_frames], &f.input_features);
             let mask: Vec<i64> = f.attention_mask.iter().map(|&m| i64::from(m)).collect();
             t.i64("feature_attention_mask", vec![1, f.n_frames], &mask);

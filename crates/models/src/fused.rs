@@ -225,7 +225,8 @@ pub(crate) fn add_bias(x: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor>
 pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
     let mut bad = Vec::new();
     // (rows, cols, causal)
-    let cases: [(usize, usize, Option<(usize, usize)>); 5] =
+    type Case = (usize, usize, Option<(usize, usize)>);
+    let cases: [Case; 5] =
         [(7, 5, None), (64, 577, None), (6, 9, Some((3, 6))), (2 * 37, 37, Some((37, 0))), (4, 2100, Some((2, 2098)))];
     for (i, &(rows, cols, causal)) in cases.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {

@@ -108,6 +108,9 @@ pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimit
     );
     let mut interleaved: Vec<f32> = Vec::new();
     let mut channels = 0;
+    // 16-bit PCM (most WAV files) is converted here straight from the packet's bytes: the
+    // same `i16 / 32768` and channel average as through the decoder, without its buffers.
+    let s16 = s16_layout(&params);
     loop {
         let packet = match reader.next_packet() {
             Ok(Some(p)) => p,
@@ -116,6 +119,14 @@ pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimit
             Err(e) => return Err(undecodable(e)),
         };
         if packet.track_id != track_id {
+            continue;
+        }
+        if let Some(c) = s16 {
+            channels = c;
+            s16_to_mono(&packet.data, c, &mut mono);
+            if mono.len() > max_frames(rate) {
+                return Err(AudioError::TooLong { seconds: None, max_seconds: limits.max_seconds });
+            }
             continue;
         }
         let buf = decoder.decode(&packet).map_err(|e| match e {
@@ -235,6 +246,33 @@ fn stated_length(track: &Track, params: &AudioCodecParameters) -> Stated {
     let c = params.codec;
     let exact = c == codec::CODEC_ID_FLAC || is_pcm(c);
     Stated { frames: track.num_frames, seconds, exact }
+}
+
+/// The channel count of a 16-bit little-endian PCM track whose samples need no shift and
+/// whose rate is stated (what the fast path of [`decode_audio`] takes); `None` otherwise.
+fn s16_layout(params: &AudioCodecParameters) -> Option<usize> {
+    let full = |bits: Option<u32>| bits.is_none_or(|b| b == 16);
+    let channels = params.channels.as_ref()?.count();
+    (params.codec == codec::CODEC_ID_PCM_S16LE
+        && full(params.bits_per_sample)
+        && full(params.bits_per_coded_sample)
+        && params.sample_rate.is_some_and(|r| r > 0)
+        && channels > 0)
+        .then_some(channels)
+}
+
+/// Appends the whole frames of interleaved 16-bit LE `data` to `mono`: `i16 / 32768`, the
+/// channels averaged as the decoder path does (a partial frame at the end is dropped, as
+/// symphonia's PCM decoder drops it).
+fn s16_to_mono(data: &[u8], channels: usize, mono: &mut Vec<f32>) {
+    let sample = |b: &[u8]| f32::from(i16::from_le_bytes([b[0], b[1]])) / 32_768.0;
+    let frames = data.chunks_exact(2 * channels);
+    if channels == 1 {
+        mono.extend(frames.map(sample));
+    } else {
+        let cf = channels as f32;
+        mono.extend(frames.map(|f| f.chunks_exact(2).map(sample).sum::<f32>() / cf));
+    }
 }
 
 fn is_pcm(c: AudioCodecId) -> bool {

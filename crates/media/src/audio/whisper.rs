@@ -192,45 +192,42 @@ impl WhisperFeatureExtractor {
         let mut frame = self.fft.make_input_vec();
         let mut spectrum = self.fft.make_output_vec();
         let mut scratch = self.fft.make_scratch_vec();
-        let mut power = vec![0f32; spectrum.len()];
-        let silent = MEL_FLOOR.log10();
-        // Frame-major while computing (each frame's bins are contiguous), transposed once at
-        // the end: writing [n_mels, n_frames] frame by frame strides across the whole output.
-        let mut by_frame = vec![silent; n_frames * n_mels];
-        for (t, mels) in by_frame.chunks_exact_mut(n_mels).enumerate() {
-            let src = &x[t * hop..t * hop + n_fft];
-            // An all-zero frame has an all-zero spectrum: every bin is the floor.
-            if src.iter().all(|&v| v == 0.0) {
-                continue;
-            }
-            for ((f, &s), &w) in frame.iter_mut().zip(src).zip(&self.window) {
-                *f = s * w;
-            }
-            self.fft.process_with_scratch(&mut frame, &mut spectrum, &mut scratch).expect("FFT buffer sizes");
-            for (p, c) in power.iter_mut().zip(&spectrum) {
-                *p = Complex::norm_sqr(c);
-            }
-            for (v, (start, weights)) in mels.iter_mut().zip(&self.filters32) {
-                let bins = &power[*start..*start + weights.len()];
-                let mel: f32 = bins.iter().zip(weights).map(|(p, w)| p * w).sum();
-                *v = mel.max(MEL_FLOOR);
-            }
-            // log10 over the whole frame (the loop vectorises); see `log2_f32` for the error.
-            for v in mels.iter_mut() {
-                *v = log2_f32(*v) * std::f32::consts::LOG10_2;
-            }
-        }
-        // Transposed in tiles of 32 frames, whose rows stay in L1 while each mel's run is written.
+        let bins = spectrum.len();
+        // Frames go in tiles of TILE: each frame's power spectrum is stored bin-major in the
+        // tile ([bin][frame], in L1), so that every mel's weighted sum runs over the tile's
+        // frames in SIMD lanes and lands as a contiguous run of the [n_mels, n_frames] output.
+        // Per lane the sum is the same ordered sum over bins as frame by frame: same bits.
+        let mut tile = vec![0f32; bins * TILE];
         let mut out = vec![0f32; n_mels * n_frames];
-        for t0 in (0..n_frames).step_by(32) {
-            let t1 = (t0 + 32).min(n_frames);
-            for (m, row) in out.chunks_exact_mut(n_frames).enumerate() {
-                for (t, o) in (t0..t1).zip(&mut row[t0..t1]) {
-                    *o = by_frame[t * n_mels + m];
+        // Frames outside the nonzero span are all zeros (the padding of a short clip): their
+        // spectrum is zero without an FFT. (Zero frames inside it come out zero anyway.)
+        let nonzero = x
+            .iter()
+            .position(|&v| v != 0.0)
+            .map_or(0..0, |a| a..x.len() - x.iter().rev().position(|&v| v != 0.0).unwrap_or(0));
+        for t0 in (0..n_frames).step_by(TILE) {
+            let width = TILE.min(n_frames - t0);
+            for j in 0..width {
+                let at = (t0 + j) * hop;
+                let src = &x[at..at + n_fft];
+                if at >= nonzero.end || at + n_fft <= nonzero.start {
+                    (0..bins).for_each(|b| tile[b * TILE + j] = 0.0);
+                    continue;
+                }
+                for ((f, &s), &w) in frame.iter_mut().zip(src).zip(&self.window) {
+                    *f = s * w;
+                }
+                self.fft.process_with_scratch(&mut frame, &mut spectrum, &mut scratch).expect("FFT buffer sizes");
+                for (b, c) in spectrum.iter().enumerate() {
+                    tile[b * TILE + j] = Complex::norm_sqr(c);
                 }
             }
+            for (m, (start, weights)) in self.filters32.iter().enumerate() {
+                let run = &mut out[m * n_frames + t0..m * n_frames + t0 + width];
+                mel_tile(&tile, *start, weights, run);
+            }
         }
-        let floor = out.iter().copied().fold(f32::NEG_INFINITY, f32::max) - 8.0;
+        let floor = largest(&out) - 8.0;
         for v in &mut out {
             *v = (v.max(floor) + 4.0) / 4.0;
         }
@@ -285,6 +282,48 @@ impl WhisperFeatureExtractor {
 
 /// Qwen2-Audio's audio tokens for `valid_frames` feature frames: the model's rule.
 pub use mmserve_config::audio_token_count as qwen2_audio_tokens;
+
+/// Frames per tile of [`WhisperFeatureExtractor::extract`].
+const TILE: usize = 32;
+
+crate::simd::dispatch!(
+    /// log10(max(Σ weights · power, floor)) of one mel over a tile's frames into `run`.
+    mel_tile(tile: &[f32], start: usize, weights: &[f32], run: &mut [f32]) -> () => mel_tile_kernel
+);
+
+#[inline(always)]
+fn mel_tile_kernel(tile: &[f32], start: usize, weights: &[f32], run: &mut [f32]) {
+    let mut acc = [0f32; TILE];
+    for (b, &w) in weights.iter().enumerate() {
+        let row: &[f32; TILE] = tile[(start + b) * TILE..][..TILE].try_into().expect("a tile row");
+        for (a, &p) in acc.iter_mut().zip(row) {
+            *a += p * w;
+        }
+    }
+    for (o, &a) in run.iter_mut().zip(&acc) {
+        *o = log2_f32(a.max(MEL_FLOOR)) * std::f32::consts::LOG10_2;
+    }
+}
+
+crate::simd::dispatch!(
+    /// The largest of `xs` (finite values).
+    largest(xs: &[f32]) -> f32 => largest_kernel
+);
+
+#[inline(always)]
+fn largest_kernel(xs: &[f32]) -> f32 {
+    // Lane-wise maxima by comparison (maxps), then across lanes: `f32::max`'s NaN rules
+    // would keep the loop scalar.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = xs.chunks_exact(16);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (l, &v) in lanes.iter_mut().zip(chunk) {
+            *l = if v > *l { v } else { *l };
+        }
+    }
+    lanes.iter().chain(rest).copied().fold(f32::NEG_INFINITY, f32::max)
+}
 
 /// log2 of a positive normal `f32`, within 3e-7 plus the result's own f32 rounding
 /// (two ulps) of the exact value: the exponent, plus
