@@ -10,6 +10,7 @@
 
 mod activation;
 mod clip;
+mod decoder_fused;
 mod elem;
 mod encoder_attention;
 mod error;
@@ -26,6 +27,7 @@ mod weights;
 
 pub use activation::Activation;
 pub use clip::ClipVisionTower;
+pub use decoder_fused::self_test as decoder_fused_self_test;
 pub use error::ModelError;
 pub use fused::self_test as fused_self_test;
 pub use kv_write::self_test as kv_write_self_test;

@@ -17,6 +17,18 @@ impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Linear { inner: candle_nn::Linear::new(weight, bias) }
     }
+
+    /// One layer computing `parts`' outputs side by side (their weights stacked): one GEMM
+    /// where there were several. The parts must agree on having a bias.
+    pub fn stack(parts: &[Linear]) -> candle_core::Result<Linear> {
+        let weights: Vec<&Tensor> = parts.iter().map(|p| p.inner.weight()).collect();
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.inner.bias()).collect();
+        if biases.is_none() && parts.iter().any(|p| p.inner.bias().is_some()) {
+            candle_core::bail!("Linear::stack: some parts have a bias and some not");
+        }
+        let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
+        Ok(Linear::new(Tensor::cat(&weights, 0)?, bias))
+    }
 }
 
 impl Module for Linear {

@@ -17,6 +17,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
+use crate::decoder_fused::{add_rmsnorm, rope_split, silu_mul};
 use crate::fused::scaled_softmax;
 use crate::linear::Linear;
 use mmserve_config::{LlamaConfig, ModelDir};
@@ -74,10 +75,16 @@ pub struct SeqInput<'a> {
     pub cache: &'a mut KvCache,
 }
 
+/// The q, k and v projections.
+enum QkvProj {
+    /// The checkpoint's three (the CPU: candle's ops, whose results parity pins down).
+    Separate { q: Linear, k: Linear, v: Linear },
+    /// Their weights stacked into one GEMM, split (and rotated) by `rope_split` (the GPU).
+    Fused(Linear),
+}
+
 pub(crate) struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: QkvProj,
     o_proj: Linear,
     num_heads: usize,
     num_kv_heads: usize,
@@ -88,10 +95,18 @@ impl Attention {
     fn load(s: &Scope, cfg: &LlamaConfig) -> Result<Self, ModelError> {
         let (h, d, bias) = (cfg.hidden_size, cfg.head_dim, cfg.attention_bias);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let (q, k, v) = (
+            s.linear("q_proj", h, nh * d, bias)?,
+            s.linear("k_proj", h, nkv * d, bias)?,
+            s.linear("v_proj", h, nkv * d, bias)?,
+        );
+        let qkv = if s.device().is_cuda() {
+            QkvProj::Fused(Linear::stack(&[q, k, v])?)
+        } else {
+            QkvProj::Separate { q, k, v }
+        };
         Ok(Attention {
-            q_proj: s.linear("q_proj", h, nh * d, bias)?,
-            k_proj: s.linear("k_proj", h, nkv * d, bias)?,
-            v_proj: s.linear("v_proj", h, nkv * d, bias)?,
+            qkv,
             o_proj: s.linear("o_proj", nh * d, h, cfg.o_proj_bias)?,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -109,9 +124,13 @@ impl Attention {
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x)?.reshape((1, t, nh, hd))?;
-        let k = self.k_proj.forward(x)?.reshape((1, t, nkv, hd))?;
-        let v = self.v_proj.forward(x)?.reshape((t, nkv, hd))?;
+        let (q, k, v) = match &self.qkv {
+            QkvProj::Fused(qkv) => return rope_split(&qkv.forward(x)?, cos, sin, (nh, nkv, hd)),
+            QkvProj::Separate { q, k, v } => (q, k, v),
+        };
+        let q = q.forward(x)?.reshape((1, t, nh, hd))?;
+        let k = k.forward(x)?.reshape((1, t, nkv, hd))?;
+        let v = v.forward(x)?.reshape((t, nkv, hd))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
         Ok((q, k, v))
@@ -190,6 +209,23 @@ impl Attention {
     }
 }
 
+/// `x += add` (when given), then `norm(x)`: one fused kernel on the GPU, candle's add
+/// and RMSNorm on the CPU.
+fn add_norm(norm: &RmsNorm, x: &mut Tensor, add: Option<Tensor>, fused: bool) -> candle_core::Result<Tensor> {
+    match add {
+        None => norm.forward(x),
+        Some(y) if fused => {
+            let (sum, normed) = add_rmsnorm(x, &y, norm.weight(), norm.eps() as f32)?;
+            *x = sum;
+            Ok(normed)
+        }
+        Some(y) => {
+            *x = (&*x + y)?;
+            norm.forward(x)
+        }
+    }
+}
+
 /// [n, past + n]: 0 where query i (position past + i) may see key j, -inf elsewhere.
 /// Made on the device: building it on the host cost a 7B model's 2,048-token prefill
 /// most of its time (4M values per layer, then a copy).
@@ -203,27 +239,38 @@ fn causal_mask(n: usize, past: usize, device: &Device) -> candle_core::Result<Te
     visible.where_cond(&zeros, &hidden)
 }
 
+/// The gate and up projections.
+enum GateUp {
+    /// The checkpoint's two, any activation (the CPU).
+    Separate { gate: Linear, up: Linear, act: Activation },
+    /// Stacked into one GEMM, then `silu_mul` (the GPU, for SiLU).
+    FusedSilu(Linear),
+}
+
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: GateUp,
     down_proj: Linear,
-    act: Activation,
 }
 
 impl Mlp {
     fn load(s: &Scope, cfg: &LlamaConfig) -> Result<Self, ModelError> {
         let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-        Ok(Mlp {
-            gate_proj: s.linear("gate_proj", h, i, bias)?,
-            up_proj: s.linear("up_proj", h, i, bias)?,
-            down_proj: s.linear("down_proj", i, h, bias)?,
-            act: Activation::from_name(&cfg.hidden_act)?,
-        })
+        let (gate, up) = (s.linear("gate_proj", h, i, bias)?, s.linear("up_proj", h, i, bias)?);
+        let act = Activation::from_name(&cfg.hidden_act)?;
+        let gate_up = if s.device().is_cuda() && act == Activation::Silu {
+            GateUp::FusedSilu(Linear::stack(&[gate, up])?)
+        } else {
+            GateUp::Separate { gate, up, act }
+        };
+        Ok(Mlp { gate_up, down_proj: s.linear("down_proj", i, h, bias)? })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = self.act.apply(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let h = match &self.gate_up {
+            GateUp::FusedSilu(gate_up) => silu_mul(&gate_up.forward(x)?)?,
+            GateUp::Separate { gate, up, act } => (act.apply(&gate.forward(x)?)? * up.forward(x)?)?,
+        };
+        self.down_proj.forward(&h)
     }
 }
 
@@ -406,15 +453,18 @@ impl Llama {
         let angles = positions.broadcast_mul(&self.inv_freq)?;
         let (cos, sin) = (angles.cos()?.to_dtype(self.dtype())?, angles.sin()?.to_dtype(self.dtype())?);
 
+        // The residual stream `x` and the block output still to be added to it: on the
+        // GPU each addition happens in the kernel of the norm that follows it.
+        let fused = self.device().is_cuda();
         let mut x = input_embeds.to_dtype(self.dtype())?;
+        let mut pending: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.input_layernorm.forward(&x)?;
+            let h = add_norm(&layer.input_layernorm, &mut x, pending.take(), fused)?;
             let attn = &layer.self_attn;
             let (q, k, v) = attn.project(&h, &cos, &sin)?;
             let out = attn.o_proj.forward(&attention(i, attn, (&q, &k, &v))?)?;
-            let x1 = (x + out)?;
-            let h = layer.post_attention_layernorm.forward(&x1)?;
-            x = (&x1 + layer.mlp.forward(&h)?)?;
+            let h = add_norm(&layer.post_attention_layernorm, &mut x, Some(out), fused)?;
+            pending = Some(layer.mlp.forward(&h)?);
         }
         if let Some(lens) = last_of {
             let mut end = 0u32;
@@ -425,9 +475,11 @@ impl Llama {
                     end - 1
                 })
                 .collect();
-            x = x.index_select(&Tensor::new(last, self.device())?, 0)?;
+            let last = Tensor::new(last, self.device())?;
+            x = x.index_select(&last, 0)?;
+            pending = pending.map(|p| p.index_select(&last, 0)).transpose()?;
         }
-        self.norm.forward(&x)
+        add_norm(&self.norm, &mut x, pending, fused)
     }
 
     pub(crate) fn lm_head(&self) -> &Linear {

@@ -176,6 +176,10 @@ impl Scope {
         Scope(self.0.pp(name), self.1)
     }
 
+    pub(crate) fn device(&self) -> &Device {
+        self.0.device()
+    }
+
     pub(crate) fn contains(&self, name: &str) -> bool {
         self.0.contains_tensor(name)
     }

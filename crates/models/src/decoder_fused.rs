@@ -1,0 +1,445 @@
+//! Fused ops of the decoder layer on the GPU (`kernels/decoder.cu`): residual add with
+//! RMSNorm, SiLU·mul over a fused gate/up projection, and RoPE that splits a fused q/k/v
+//! projection. Each replaces several candle passes and launches (a batch-1 decode step is
+//! bound by launches, not bytes). Each has a CPU twin, the reference its kernel is tested
+//! against ([`self_test`]); the model calls them on the GPU only.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
+
+use crate::ModelError;
+use crate::elem::FromF32;
+
+/// One op of `T`'s arithmetic: the f32 result rounded to `T` and back.
+fn r<T: FromF32>(x: f32) -> f32 {
+    T::from_f32(x).into()
+}
+
+fn contiguous(what: &str, layouts: &[&Layout]) -> candle_core::Result<()> {
+    if layouts.iter().all(|l| l.is_contiguous()) {
+        Ok(())
+    } else {
+        candle_core::bail!("{what}: inputs must be contiguous")
+    }
+}
+
+/// `[x + y, RMSNorm(x + y) · w]` as one `[2, rows, h]` tensor.
+struct AddRmsNorm {
+    eps: f32,
+}
+
+fn add_rmsnorm_ref<T: FromF32>(x: &[T], y: &[T], w: &[T], rows: usize, h: usize, eps: f32) -> Vec<T> {
+    let mut sums = Vec::with_capacity(2 * rows * h);
+    sums.extend(x[..rows * h].iter().zip(&y[..rows * h]).map(|(&a, &b)| T::from_f32(a.into() + b.into())));
+    for row in 0..rows {
+        let s = &sums[row * h..(row + 1) * h];
+        let ss: f32 = s.iter().map(|&v| v.into() * v.into()).sum();
+        let inv = 1.0 / (ss / h as f32 + eps).sqrt();
+        let normed: Vec<T> = s.iter().zip(w).map(|(&v, &g)| T::from_f32(r::<T>(v.into() * inv) * g.into())).collect();
+        sums.extend(normed);
+    }
+    sums
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add_rmsnorm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        y: &CpuStorage,
+        ly: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, h) = norm_dims(lx, ly, lw)?;
+        let (ox, oy, ow) = (lx.start_offset(), ly.start_offset(), lw.start_offset());
+        let e = self.eps;
+        let out = match (x, y, w) {
+            (CpuStorage::F32(x), CpuStorage::F32(y), CpuStorage::F32(w)) => {
+                CpuStorage::F32(add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(y), CpuStorage::BF16(w)) => {
+                CpuStorage::BF16(add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(y), CpuStorage::F16(w)) => {
+                CpuStorage::F16(add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e))
+            }
+            _ => candle_core::bail!("add_rmsnorm: x, y and w must share a float dtype"),
+        };
+        Ok((out, Shape::from((2, rows, h))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        let (rows, h) = norm_dims(lx, ly, lw)?;
+        let dev = x.device().clone();
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (rows_arg, h_arg) = (rows as i32, h as i32);
+        macro_rules! launch {
+            ($t:ty, $suffix:literal) => {{
+                let x = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
+                let y = y.as_cuda_slice::<$t>()?.slice(ly.start_offset()..);
+                let w = w.as_cuda_slice::<$t>()?.slice(lw.start_offset()..);
+                // SAFETY: the kernel writes both halves of every row.
+                let mut out = unsafe { dev.alloc::<$t>(2 * rows * h)? };
+                let func = dev.get_or_load_custom_func(concat!("add_rmsnorm_", $suffix), "mmserve_decoder", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&y).arg(&w).arg(&mut out).arg(&rows_arg).arg(&h_arg).arg(&self.eps);
+                // SAFETY: reads [rows, h] of x and y and [h] of w, writes [2, rows, h].
+                unsafe { b.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match x.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("add_rmsnorm: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from((2, rows, h))))
+    }
+}
+
+fn norm_dims(lx: &Layout, ly: &Layout, lw: &Layout) -> candle_core::Result<(usize, usize)> {
+    contiguous("add_rmsnorm", &[lx, ly, lw])?;
+    let (rows, h) = lx.shape().dims2()?;
+    if ly.shape().dims2()? != (rows, h) || lw.shape().dims1()? != h {
+        candle_core::bail!("add_rmsnorm: shapes {:?}, {:?}, {:?} do not fit", lx.shape(), ly.shape(), lw.shape());
+    }
+    Ok((rows, h))
+}
+
+/// `silu(gate) · up` of a fused `[rows, 2I]` gate/up projection: `[rows, I]`.
+struct SiluMul;
+
+fn silu_mul_ref<T: FromF32>(gu: &[T], rows: usize, inter: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(rows * inter);
+    for row in gu.chunks(2 * inter).take(rows) {
+        let (g, u) = row.split_at(inter);
+        out.extend(g.iter().zip(u).map(|(&g, &u)| {
+            let g: f32 = g.into();
+            T::from_f32(r::<T>(g / (1.0 + (-g).exp())) * u.into())
+        }));
+    }
+    out
+}
+
+impl CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu_mul"
+    }
+
+    fn cpu_fwd(&self, gu: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        contiguous("silu_mul", &[l])?;
+        let (rows, two) = l.shape().dims2()?;
+        let (inter, o) = (two / 2, l.start_offset());
+        let out = match gu {
+            CpuStorage::F32(x) => CpuStorage::F32(silu_mul_ref(&x[o..], rows, inter)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(silu_mul_ref(&x[o..], rows, inter)),
+            CpuStorage::F16(x) => CpuStorage::F16(silu_mul_ref(&x[o..], rows, inter)),
+            _ => candle_core::bail!("silu_mul: unsupported dtype"),
+        };
+        Ok((out, Shape::from((rows, inter))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gu: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        contiguous("silu_mul", &[l])?;
+        let (rows, two) = l.shape().dims2()?;
+        let inter = two / 2;
+        let dev = gu.device().clone();
+        let n = rows * inter;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).min(65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows_arg, inter_arg) = (rows as i64, inter as i32);
+        macro_rules! launch {
+            ($t:ty, $suffix:literal) => {{
+                let gu = gu.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+                // SAFETY: the grid-stride loop writes every element.
+                let mut out = unsafe { dev.alloc::<$t>(n)? };
+                let func = dev.get_or_load_custom_func(concat!("silu_mul_", $suffix), "mmserve_decoder", PTX)?;
+                let mut b = func.builder();
+                b.arg(&gu).arg(&mut out).arg(&rows_arg).arg(&inter_arg);
+                // SAFETY: reads [rows, 2I], writes [rows, I].
+                unsafe { b.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match gu.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("silu_mul: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from((rows, inter))))
+    }
+}
+
+/// RoPE on the q and k parts of a fused `[T, (H + 2K)·D]` projection; q, k and v written
+/// one after the other (`T·H·D`, `T·K·D`, `T·K·D` elements) into one flat tensor.
+struct RopeSplit {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl RopeSplit {
+    fn dims(&self, lx: &Layout, lc: &Layout, ls: &Layout) -> candle_core::Result<usize> {
+        contiguous("rope_split", &[lx, lc, ls])?;
+        let (t, width) = lx.shape().dims2()?;
+        let half = self.head_dim / 2;
+        if width != (self.heads + 2 * self.kv_heads) * self.head_dim
+            || !self.head_dim.is_multiple_of(2)
+            || lc.shape().dims2()? != (t, half)
+            || ls.shape().dims2()? != (t, half)
+        {
+            candle_core::bail!("rope_split: shapes {:?}, {:?} do not fit", lx.shape(), lc.shape());
+        }
+        Ok(t)
+    }
+
+    fn reference<T: FromF32>(&self, qkv: &[T], cos: &[T], sin: &[T], t: usize) -> Vec<T> {
+        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
+        let half = d / 2;
+        let mut out = vec![T::from_f32(0.0); t * (h + 2 * k) * d];
+        let (q_part, rest) = out.split_at_mut(t * h * d);
+        let (k_part, v_part) = rest.split_at_mut(t * k * d);
+        for tok in 0..t {
+            let row = &qkv[tok * (h + 2 * k) * d..][..(h + 2 * k) * d];
+            let (c, s) = (&cos[tok * half..][..half], &sin[tok * half..][..half]);
+            for head in 0..h + k {
+                let src = &row[head * d..][..d];
+                let dst = if head < h {
+                    &mut q_part[(tok * h + head) * d..][..d]
+                } else {
+                    &mut k_part[(tok * k + head - h) * d..][..d]
+                };
+                for i in 0..half {
+                    let (a, b): (f32, f32) = (src[i].into(), src[i + half].into());
+                    let (cc, ss): (f32, f32) = (c[i].into(), s[i].into());
+                    dst[i] = T::from_f32(r::<T>(a * cc) - r::<T>(b * ss));
+                    dst[i + half] = T::from_f32(r::<T>(b * cc) + r::<T>(a * ss));
+                }
+            }
+            v_part[tok * k * d..][..k * d].copy_from_slice(&row[(h + k) * d..]);
+        }
+        out
+    }
+}
+
+impl CustomOp3 for RopeSplit {
+    fn name(&self) -> &'static str {
+        "rope_split"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        c: &CpuStorage,
+        lc: &Layout,
+        s: &CpuStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let t = self.dims(lx, lc, ls)?;
+        let (ox, oc, os) = (lx.start_offset(), lc.start_offset(), ls.start_offset());
+        let out = match (x, c, s) {
+            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
+                CpuStorage::F32(self.reference(&x[ox..], &c[oc..], &s[os..], t))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
+                CpuStorage::BF16(self.reference(&x[ox..], &c[oc..], &s[os..], t))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => {
+                CpuStorage::F16(self.reference(&x[ox..], &c[oc..], &s[os..], t))
+            }
+            _ => candle_core::bail!("rope_split: qkv, cos and sin must share a float dtype"),
+        };
+        Ok((out, Shape::from(lx.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        c: &candle_core::CudaStorage,
+        lc: &Layout,
+        s: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        let t = self.dims(lx, lc, ls)?;
+        let dev = x.device().clone();
+        let n = lx.shape().elem_count();
+        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (t_arg, h, k, d) = (t as i32, self.heads as i32, self.kv_heads as i32, self.head_dim as i32);
+        macro_rules! launch {
+            ($ty:ty, $suffix:literal) => {{
+                let x = x.as_cuda_slice::<$ty>()?.slice(lx.start_offset()..);
+                let c = c.as_cuda_slice::<$ty>()?.slice(lc.start_offset()..);
+                let s = s.as_cuda_slice::<$ty>()?.slice(ls.start_offset()..);
+                // SAFETY: every q, k and v element of every token is written.
+                let mut out = unsafe { dev.alloc::<$ty>(n)? };
+                let func = dev.get_or_load_custom_func(concat!("rope_split_", $suffix), "mmserve_decoder", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(&t_arg).arg(&h).arg(&k).arg(&d);
+                // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements.
+                unsafe { b.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match x.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("rope_split: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(n)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decoder.ptx"));
+
+/// `(x + y, RMSNorm(x + y) · w)` for rows `x`, `y` [rows, h].
+pub(crate) fn add_rmsnorm(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {
+    let out = x.contiguous()?.apply_op3_no_bwd(&y.contiguous()?, w, &AddRmsNorm { eps })?;
+    Ok((out.get(0)?, out.get(1)?))
+}
+
+/// `silu(gate) · up` of `gu` [rows, 2I] (gate | up).
+pub(crate) fn silu_mul(gu: &Tensor) -> candle_core::Result<Tensor> {
+    gu.contiguous()?.apply_op1_no_bwd(&SiluMul)
+}
+
+/// q [T, H, D] and k [T, K, D] with RoPE (`cos`, `sin` [T, D/2]), and v [T, K, D], from
+/// a fused projection `qkv` [T, (H + 2K)·D].
+pub(crate) fn rope_split(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let t = qkv.dim(0)?;
+    let op = RopeSplit { heads, kv_heads, head_dim };
+    let flat = qkv.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)?;
+    let (nq, nk) = (t * heads * head_dim, t * kv_heads * head_dim);
+    Ok((
+        flat.narrow(0, 0, nq)?.reshape((t, heads, head_dim))?,
+        flat.narrow(0, nq, nk)?.reshape((t, kv_heads, head_dim))?,
+        flat.narrow(0, nq + nk, nk)?.reshape((t, kv_heads, head_dim))?,
+    ))
+}
+
+/// Runs the kernels on `device` against their CPU twins on random inputs (odd sizes;
+/// f32, bf16, f16): a line per case whose results differ by more than two units of the
+/// output's last place (at its magnitude).
+pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+    let mut bad = Vec::new();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let rand = |shape: &[usize]| -> Result<(Tensor, Tensor), ModelError> {
+            let cpu = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?;
+            Ok((cpu.to_device(device)?, cpu))
+        };
+        let ulp = match dtype {
+            DType::BF16 => 2f32.powi(-7),
+            DType::F16 => 2f32.powi(-10),
+            _ => 1e-6,
+        };
+        let mut check = |what: &str, got: &Tensor, want: &Tensor| -> Result<(), ModelError> {
+            let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+                .fold(0f32, |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) });
+            if worst > 2.0 * ulp {
+                bad.push(format!("{what} {dtype:?}: max relative |Δ| {worst:.3e}"));
+            }
+            Ok(())
+        };
+        let ((xd, x), (yd, y), (wd, w)) = (rand(&[5, 1031])?, rand(&[5, 1031])?, rand(&[1031])?);
+        let (got, want) = (add_rmsnorm(&xd, &yd, &wd, 1e-5)?, add_rmsnorm(&x, &y, &w, 1e-5)?);
+        check("add_rmsnorm sum", &got.0, &want.0)?;
+        check("add_rmsnorm norm", &got.1, &want.1)?;
+        let (gud, gu) = rand(&[7, 2 * 333])?;
+        check("silu_mul", &silu_mul(&gud)?, &silu_mul(&gu)?)?;
+        let dims = (6, 2, 10);
+        let ((qd, q), (cd, c), (sd, s)) = (rand(&[3, 100])?, rand(&[3, 5])?, rand(&[3, 5])?);
+        let (got, want) = (rope_split(&qd, &cd, &sd, dims)?, rope_split(&q, &c, &s, dims)?);
+        check("rope_split q", &got.0, &want.0)?;
+        check("rope_split k", &got.1, &want.1)?;
+        check("rope_split v", &got.2, &want.2)?;
+    }
+    Ok(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn twins_match_candle_in_f32() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, 8, &dev).unwrap();
+        let (sum, normed) = add_rmsnorm(&x, &y, &w, 1e-6).unwrap();
+        let want_sum = (&x + &y).unwrap();
+        let want = candle_nn::ops::rms_norm(&want_sum, &w, 1e-6).unwrap();
+        let diff =
+            |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff(&sum, &want_sum), 0.0);
+        assert!(diff(&normed, &want) < 1e-5);
+
+        let gu = Tensor::randn(0f32, 2.0, (2, 6), &dev).unwrap();
+        let want = (gu.narrow(1, 0, 3).unwrap().silu().unwrap() * gu.narrow(1, 3, 3).unwrap()).unwrap();
+        assert!(diff(&silu_mul(&gu).unwrap(), &want) < 1e-6);
+
+        // q: 2 heads, k and v: 1 head, head_dim 4, 3 tokens.
+        let qkv = Tensor::randn(0f32, 1.0, (3, 16), &dev).unwrap();
+        let angles = Tensor::randn(0f32, 1.0, (3, 2), &dev).unwrap();
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let (q, k, v) = rope_split(&qkv, &cos, &sin, (2, 1, 4)).unwrap();
+        let heads = |from: usize, n: usize| qkv.narrow(1, from * 4, n * 4).unwrap().reshape((1, 3, n, 4)).unwrap();
+        let rope = |t: Tensor| {
+            candle_nn::rotary_emb::rope_thd(&t.contiguous().unwrap(), &cos, &sin).unwrap().squeeze(0).unwrap()
+        };
+        assert!(diff(&q, &rope(heads(0, 2))) < 1e-6);
+        assert!(diff(&k, &rope(heads(2, 1))) < 1e-6);
+        assert_eq!(diff(&v, &heads(3, 1).squeeze(0).unwrap()), 0.0);
+    }
+
+    #[test]
+    fn self_test_compares_the_cpu_with_itself() {
+        assert!(self_test(&Device::Cpu).unwrap().is_empty());
+    }
+}
