@@ -95,7 +95,7 @@ impl Link {
         let _ = match self {
             Link::Direct(c) => c.set_items_data(deadline(CALL_TIMEOUT), ids).await.map(drop),
             Link::Coalesced(c) => {
-                c.set_items_data(ids).await;
+                let _ = c.set_items_data(ids).await;
                 Ok(())
             }
         };
@@ -105,7 +105,7 @@ impl Link {
         let _ = match self {
             Link::Direct(c) => c.release(deadline(CALL_TIMEOUT), ids).await.map(drop),
             Link::Coalesced(c) => {
-                c.release(ids).await;
+                let _ = c.release(ids).await;
                 Ok(())
             }
         };

@@ -289,6 +289,28 @@ fn parity(
     let seqs = [PagedSeq { start: 0, new_tokens: ids.len(), block_table: &table }];
     let paged = llama.forward_paged(&embeds, &seqs, &mut kv, true)?;
     let (paged_abs, paged_rel, _) = diff(&paged, &want)?;
+    // A step that mixes a short run of queries (the prompt's last 20 tokens, after the
+    // rest in an earlier step: the decode kernel on a GPU) with a whole prompt (gathered).
+    let tail = 20.min(ids.len() - 1);
+    let head = ids.len() - tail;
+    let per_seq = ids.len().div_ceil(bs);
+    let mut kv = PagedKv::new(llama, 2 * per_seq, bs, llama.dtype())?;
+    let (ta, tb): (Vec<u32>, Vec<u32>) =
+        ((0..per_seq as u32).collect(), (per_seq as u32..2 * per_seq as u32).rev().collect());
+    llama.forward_paged(
+        &embeds.narrow(0, 0, head)?,
+        &[PagedSeq { start: 0, new_tokens: head, block_table: &ta }],
+        &mut kv,
+        false,
+    )?;
+    let both = Tensor::cat(&[embeds.narrow(0, head, tail)?, embeds.clone()], 0)?;
+    let seqs = [
+        PagedSeq { start: head, new_tokens: tail, block_table: &ta },
+        PagedSeq { start: 0, new_tokens: ids.len(), block_table: &tb },
+    ];
+    let mixed = llama.forward_paged(&both, &seqs, &mut kv, true)?;
+    let mixed_want = Tensor::cat(&[want.narrow(0, head, tail)?, want.clone()], 0)?;
+    let (_, mixed_rel, _) = diff(&mixed, &mixed_want)?;
     let kernels_differing = mmserve_models::kv_write_self_test(&device)?;
     let attention_differing = mmserve_models::paged_attention_self_test(&device)?;
     let mut fused_differing = mmserve_models::fused_self_test(&device)?;
@@ -323,6 +345,7 @@ fn parity(
               "greedy_identical": got == want_ids,
               "paged_greedy_identical": got_paged == want_ids,
               "paged_logits_max_abs": paged_abs, "paged_logits_max_rel": paged_rel,
+              "mixed_step_logits_max_rel": mixed_rel,
               "kv_write_kernel_differs_for": kernels_differing,
               "paged_attention_kernel_differs": attention_differing,
               "fused_kernels_differ": fused_differing,

@@ -151,10 +151,15 @@ impl PagedKv {
     }
 }
 
-/// How a step of decodes attends.
+/// Sequences with at most this many new tokens attend through the decode kernel on the
+/// GPU (each query an entry): below it one launch beats a gather and GEMMs per sequence.
+const FEW_QUERIES: usize = 32;
+
+/// How a step's short runs of queries attend.
 enum DecodeAttention {
-    /// In place, through the block tables (the GPU).
-    InPlace(DecodeTables),
+    /// In place, through the block tables, one entry per query (the GPU); with the rows
+    /// of `q` that are theirs unless every row is.
+    InPlace(DecodeTables, Option<Tensor>),
     /// Over gathered, padded blocks (the CPU).
     Gathered(DecodeBatch),
 }
@@ -239,13 +244,27 @@ impl Llama {
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
         let kv = &*kv;
-        // A step of decodes only (one new token each) attends in one batch: on the GPU in
-        // place through the block tables (our kernel), on the CPU over block tables padded
-        // to the longest and gathered, instead of one small attention per sequence.
+        // On the GPU every query of a sequence with few new tokens (decodes, the tail of a
+        // prompt after a prefix-cache hit) attends in place through its block table, all of
+        // them in one launch of our kernel: query i of a sequence is an entry of its own
+        // that sees positions ..= start + i. Longer runs (prefill chunks) attend one
+        // sequence at a time over their gathered blocks, where the GEMMs pay. On the CPU a
+        // step of decodes only attends in one batch over padded, gathered blocks.
         let all_decodes = seqs.iter().all(|s| s.new_tokens == 1);
-        let decodes = if all_decodes && device.is_cuda() {
-            let tables: Vec<(usize, &[u32])> = seqs.iter().map(|s| (s.start + 1, s.block_table)).collect();
-            Some(DecodeAttention::InPlace(DecodeTables::new(&tables, kv.block_size, &device)?))
+        let decodes = if device.is_cuda() && seqs.iter().any(|s| s.new_tokens <= FEW_QUERIES) {
+            let mut entries: Vec<(usize, &[u32])> = Vec::new();
+            let mut rows: Vec<u32> = Vec::new();
+            let mut row = 0u32;
+            for s in seqs {
+                if s.new_tokens <= FEW_QUERIES {
+                    entries.extend((1..=s.new_tokens).map(|i| (s.start + i, s.block_table)));
+                    rows.extend(row..row + s.new_tokens as u32);
+                }
+                row += s.new_tokens as u32;
+            }
+            // Rows of `q` that the kernel takes, unless it takes them all.
+            let rows = (rows.len() < total).then(|| Tensor::new(rows, &device)).transpose()?;
+            Some(DecodeAttention::InPlace(DecodeTables::new(&entries, kv.block_size, &device)?, rows))
         } else if all_decodes && seqs.len() > 1 {
             Some(DecodeAttention::Gathered(kv.decode_batch(seqs, &device)?))
         } else {
@@ -254,10 +273,16 @@ impl Llama {
         let hidden =
             self.run_layers(input_embeds, &positions, (!all_logits).then_some(&lens[..]), |layer, attn, (q, k, v)| {
                 kv.write(layer, &slots, k, v)?;
+                let mut few = None;
                 match &decodes {
-                    Some(DecodeAttention::InPlace(tables)) => {
+                    Some(DecodeAttention::InPlace(tables, None)) => {
                         let out = paged_decode(q, &kv.k[layer], &kv.v[layer], tables, attn.scale())?;
-                        return out.reshape((seqs.len(), ()));
+                        return out.reshape((total, ()));
+                    }
+                    Some(DecodeAttention::InPlace(tables, Some(rows))) => {
+                        let q = q.index_select(rows, 0)?;
+                        let out = paged_decode(&q, &kv.k[layer], &kv.v[layer], tables, attn.scale())?;
+                        few = Some(out.reshape((rows.dim(0)?, ()))?);
                     }
                     Some(DecodeAttention::Gathered(batch)) => {
                         let (k, v) = kv.gather_batch(layer, batch)?;
@@ -267,8 +292,14 @@ impl Llama {
                     None => {}
                 }
                 let mut outs = Vec::with_capacity(seqs.len());
-                let mut offset = 0;
+                let (mut offset, mut few_offset) = (0, 0);
                 for (s, table) in seqs.iter().zip(&tables) {
+                    if let Some(few) = few.as_ref().filter(|_| s.new_tokens <= FEW_QUERIES) {
+                        outs.push(few.narrow(0, few_offset, s.new_tokens)?);
+                        few_offset += s.new_tokens;
+                        offset += s.new_tokens;
+                        continue;
+                    }
                     let (k, v) = kv.gather(layer, table, s.start + s.new_tokens)?;
                     let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
                     outs.push(attn.attend(&q.narrow(0, offset, s.new_tokens)?, &k, &v, s.start)?);
