@@ -9,8 +9,13 @@
 //   One warp per row; lanes stride the row (coalesced), three sweeps (max, sum, write)
 //   that after the first are served from L1/L2.
 //
+//   `valid` < cols also hides the columns from `valid` on (keys padded for alignment).
+//
 // add_bias: x [rows, cols] + b [cols] for contiguous x. candle's broadcast add computes a
 //   strided index per element; this is one read of x and one write.
+//
+// split_heads, quick_gelu: the encoder layer's head split of a stacked q/k/v GEMM (with the
+//   keys padded to a multiple of 8), and CLIP's activation in one pass instead of three.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,13 +32,13 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return
 
 template <typename T>
 __device__ void scaled_softmax(const T* __restrict__ x, T* __restrict__ out, long rows, int cols, float scale,
-                               int causal_n, int past) {
+                               int causal_n, int past, int valid) {
   const int lane = threadIdx.x & 31;
   const long row = (long)blockIdx.x * SOFTMAX_WARPS + (threadIdx.x >> 5);
   if (row >= rows) return;
   const T* in = x + row * cols;
   T* o = out + row * cols;
-  const int visible = causal_n > 0 ? min(cols, past + (int)(row % causal_n) + 1) : cols;
+  const int visible = min(valid, causal_n > 0 ? min(cols, past + (int)(row % causal_n) + 1) : cols);
   float m = -INFINITY;
   for (int j = lane; j < visible; j += 32) m = fmaxf(m, to_f32(in[j]) * scale);
   for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));
@@ -51,11 +56,44 @@ __device__ void add_bias(const T* __restrict__ x, const T* __restrict__ b, T* __
   }
 }
 
+// Rounds an f32 result to T and back: one op of T's arithmetic.
+template <typename T> __device__ __forceinline__ float r(float x) { return to_f32(from_f32<T>(x)); }
+
+// split_heads: qkv [B·N, 3·H·D] (one GEMM of stacked q/k/v weights) → [3, B, H, Np, D],
+// rows n >= N zero (Np, a multiple of 8, keeps the attention GEMMs' leading dims aligned).
+template <typename T>
+__device__ void split_heads(const T* __restrict__ qkv, T* __restrict__ out, int batch, int n, int np, int heads,
+                            int hd) {
+  const int row = blockIdx.x;
+  const int b = row / np, t = row - b * np;
+  const int width = heads * hd;
+  const T* src = qkv + ((long)b * n + t) * 3 * width;
+  for (int i = threadIdx.x; i < 3 * width; i += blockDim.x) {
+    const int part = i / width, rem = i - part * width, h = rem / hd, d = rem - h * hd;
+    out[((((long)part * batch + b) * heads + h) * np + t) * hd + d] = t < n ? src[i] : from_f32<T>(0.f);
+  }
+}
+
+// quick_gelu: x · sigmoid(1.702 x), each op rounded as transformers' bf16 ops round.
+template <typename T>
+__device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long n) {
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+    const float v = to_f32(x[i]);
+    const float a = r<T>(1.702f * v);
+    out[i] = from_f32<T>(v * r<T>(1.f / (1.f + expf(-a))));
+  }
+}
+
 #define FUSED(suffix, T)                                                                                       \
   extern "C" __global__ void scaled_softmax_##suffix(const T* x, T* out, long rows, int cols, float scale,  \
-                                                     int causal_n, int past) {                              \
-    scaled_softmax<T>(x, out, rows, cols, scale, causal_n, past);                                           \
+                                                     int causal_n, int past, int valid) {                   \
+    scaled_softmax<T>(x, out, rows, cols, scale, causal_n, past, valid);                                    \
   }                                                                                                          \
+  extern "C" __global__ void split_heads_##suffix(const T* qkv, T* out, int batch, int n, int np, int heads, \
+                                                  int hd) {                                                  \
+    split_heads<T>(qkv, out, batch, n, np, heads, hd);                                                       \
+  }                                                                                                          \
+  extern "C" __global__ void quick_gelu_##suffix(const T* x, T* out, long n) { quick_gelu<T>(x, out, n); }   \
   extern "C" __global__ void add_bias_##suffix(const T* x, const T* b, T* out, long n, int cols) {            \
     add_bias<T>(x, b, out, n, cols);                                                                         \
   }

@@ -34,6 +34,11 @@ for t, n, name in tot[:12]:
     print(f"{t/1e3:9.2f} ms {100*t/total:5.1f}% {n:6d}x  {name}")
 PY
 }
-prof prefill --batches 0 --prefill 2048 --images 0
-prof vision32 --batches 0 --prefill 0 --images 32
-prof decode64 --batches 64 --prompt 512 --output 4 --prefill 0 --images 0
+# PROFILES picks some of them, e.g. PROFILES=vision32 bash benches/gpu/profile.sh
+for p in ${PROFILES:-prefill vision32 decode64}; do
+  case $p in
+    prefill) prof prefill --batches 0 --prefill 2048 --images 0 ;;
+    vision32) prof vision32 --batches 0 --prefill 0 --images 32 ;;
+    decode64) prof decode64 --batches 64 --prompt 512 --output 4 --prefill 0 --images 0 ;;
+  esac
+done

@@ -3,17 +3,25 @@
 //! out projections over `[batch, tokens, dim]`, all rows attending to all keys that the
 //! optional mask leaves visible.
 
-use crate::fused::scaled_softmax;
-use crate::linear::Linear;
 use candle_core::{DType, Module, Tensor};
 
 use crate::ModelError;
+use crate::fused::{scaled_softmax_cols, split_heads};
+use crate::linear::Linear;
 use crate::weights::Scope;
 
+/// The q, k and v projections.
+enum Projections {
+    /// The checkpoint's three (the CPU; and Whisper's, whose k has no bias).
+    Separate { q: Linear, k: Linear, v: Linear },
+    /// On the GPU when all three carry a bias (CLIP): their weights stacked into one GEMM,
+    /// whose output `split_heads` cuts into heads, the keys padded to a multiple of 8
+    /// (aligned leading dims, which cuBLAS's fast kernels need).
+    Stacked(Linear),
+}
+
 pub(crate) struct SelfAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    proj: Projections,
     out_proj: Linear,
     num_heads: usize,
     scale: f64,
@@ -30,10 +38,18 @@ pub(crate) struct Flavor {
 
 impl SelfAttention {
     pub(crate) fn load(s: &Scope, dim: usize, num_heads: usize, flavor: Flavor) -> Result<Self, ModelError> {
+        let (q, k, v) = (
+            s.linear("q_proj", dim, dim, true)?,
+            s.linear("k_proj", dim, dim, flavor.k_bias)?,
+            s.linear("v_proj", dim, dim, true)?,
+        );
+        let proj = if s.device().is_cuda() && flavor.k_bias && !flavor.scale_queries {
+            Projections::Stacked(Linear::stack(&[q, k, v])?)
+        } else {
+            Projections::Separate { q, k, v }
+        };
         Ok(SelfAttention {
-            q_proj: s.linear("q_proj", dim, dim, true)?,
-            k_proj: s.linear("k_proj", dim, dim, flavor.k_bias)?,
-            v_proj: s.linear("v_proj", dim, dim, true)?,
+            proj,
             out_proj: s.linear("out_proj", dim, dim, true)?,
             num_heads,
             scale: ((dim / num_heads) as f64).powf(-0.5),
@@ -45,14 +61,25 @@ impl SelfAttention {
     /// [B, heads, N, N]: 0 for visible keys, -inf for hidden ones).
     pub(crate) fn forward(&self, x: &Tensor, key_mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let (b, n, d) = x.dims3()?;
-        let heads = |t: Tensor| t.reshape((b, n, self.num_heads, d / self.num_heads))?.transpose(1, 2)?.contiguous();
-        let q = self.q_proj.forward(x)?;
-        let q = heads(if self.scale_queries { (q * self.scale)? } else { q })?;
-        let (k, v) = (heads(self.k_proj.forward(x)?)?, heads(self.v_proj.forward(x)?)?);
+        let fused = x.device().is_cuda() && key_mask.is_none();
+        let (q, k, v) = match &self.proj {
+            Projections::Stacked(qkv) => {
+                let np = if fused { n.next_multiple_of(8) } else { n };
+                split_heads(&qkv.forward(&x.reshape((b * n, d))?)?, (b, n, np, self.num_heads))?
+            }
+            Projections::Separate { q, k, v } => {
+                let heads =
+                    |t: Tensor| t.reshape((b, n, self.num_heads, d / self.num_heads))?.transpose(1, 2)?.contiguous();
+                let q = q.forward(x)?;
+                let q = heads(if self.scale_queries { (q * self.scale)? } else { q })?;
+                (q, heads(k.forward(x)?)?, heads(v.forward(x)?)?)
+            }
+        };
         let scores = q.matmul(&k.t()?)?;
-        let probs = if scores.device().is_cuda() && key_mask.is_none() {
-            // One fused pass in f32 instead of scale, cast, softmax and cast back.
-            scaled_softmax(&scores, if self.scale_queries { 1.0 } else { self.scale as f32 }, None)?
+        let probs = if fused {
+            // One fused pass in f32 instead of scale, cast, softmax and cast back; padded
+            // keys (past n) hidden.
+            scaled_softmax_cols(&scores, if self.scale_queries { 1.0 } else { self.scale as f32 }, n)?
         } else {
             let scores = if self.scale_queries { scores } else { (scores * self.scale)? }.to_dtype(DType::F32)?;
             let scores = match key_mask {
@@ -61,7 +88,7 @@ impl SelfAttention {
             };
             candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?
         };
-        let out = probs.matmul(&v)?;
+        let out = probs.matmul(&v)?.narrow(2, 0, n)?;
         self.out_proj.forward(&out.transpose(1, 2)?.reshape((b, n, d))?)
     }
 }

@@ -13,10 +13,12 @@ use crate::elem::FromF32;
 /// `softmax(scale · x)` over the last dim, in f32, in x's dtype. `causal: Some((n, past))`:
 /// the rows are queries folded as `[.., n]` (row r is query `r % n`, at position
 /// `past + r % n`), each seeing the columns up to its own position (the rest come out 0).
+/// `valid: Some(c)` also hides the columns from `c` on (keys padded for alignment).
 #[derive(Debug, Clone, Copy)]
 struct ScaledSoftmax {
     scale: f32,
     causal: Option<(usize, usize)>,
+    valid: Option<usize>,
 }
 
 impl ScaledSoftmax {
@@ -36,6 +38,7 @@ impl ScaledSoftmax {
 
     /// Columns row `r` sees.
     fn visible(&self, r: usize, cols: usize) -> usize {
+        let cols = self.valid.map_or(cols, |v| v.min(cols));
         self.causal.map_or(cols, |(n, past)| cols.min(past + r % n + 1))
     }
 
@@ -85,6 +88,7 @@ impl CustomOp1 for ScaledSoftmax {
         let dev = x.device().clone();
         let (n, past) = self.causal.map_or((0, 0), |(n, past)| (n as i32, past as i32));
         let (rows_arg, cols_arg) = (rows as i64, i32::try_from(cols).map_err(candle_core::Error::wrap)?);
+        let valid = self.valid.map_or(cols_arg, |v| v.min(cols) as i32);
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(WARPS) as u32, 1, 1),
             block_dim: (WARPS as u32 * 32, 1, 1),
@@ -97,7 +101,7 @@ impl CustomOp1 for ScaledSoftmax {
                 let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
                 let func = dev.get_or_load_custom_func(concat!("scaled_softmax_", $suffix), "mmserve_fused", PTX)?;
                 let mut b = func.builder();
-                b.arg(&x).arg(&mut out).arg(&rows_arg).arg(&cols_arg).arg(&self.scale).arg(&n).arg(&past);
+                b.arg(&x).arg(&mut out).arg(&rows_arg).arg(&cols_arg).arg(&self.scale).arg(&n).arg(&past).arg(&valid);
                 // SAFETY: reads and writes [rows, cols] contiguous from the slices' starts.
                 unsafe { b.launch(cfg) }.w()?;
                 candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
@@ -211,7 +215,204 @@ pub(crate) fn scaled_softmax(
     scale: f32,
     causal: Option<(usize, usize)>,
 ) -> candle_core::Result<Tensor> {
-    scores.contiguous()?.apply_op1_no_bwd(&ScaledSoftmax { scale, causal })
+    scores.contiguous()?.apply_op1_no_bwd(&ScaledSoftmax { scale, causal, valid: None })
+}
+
+/// `softmax(scale · scores)` over the first `valid` columns (the rest come out 0).
+pub(crate) fn scaled_softmax_cols(scores: &Tensor, scale: f32, valid: usize) -> candle_core::Result<Tensor> {
+    scores.contiguous()?.apply_op1_no_bwd(&ScaledSoftmax { scale, causal: None, valid: Some(valid) })
+}
+/// `qkv` [B·N, 3·H·D] → [3, B, H, Np, D] (q, k, v by head), rows from N to Np zero.
+struct SplitHeads {
+    batch: usize,
+    n: usize,
+    np: usize,
+    heads: usize,
+}
+
+impl SplitHeads {
+    fn check(&self, l: &Layout) -> candle_core::Result<usize> {
+        let (rows, width) = l.shape().dims2()?;
+        if !l.is_contiguous()
+            || rows != self.batch * self.n
+            || !width.is_multiple_of(3 * self.heads)
+            || self.np < self.n
+        {
+            candle_core::bail!("split_heads: {:?} is not [{}·{}, 3·{}·D]", l.shape(), self.batch, self.n, self.heads);
+        }
+        Ok(width / (3 * self.heads))
+    }
+
+    fn shape(&self, hd: usize) -> Shape {
+        Shape::from((3, self.batch, self.heads, self.np, hd))
+    }
+
+    fn reference<T: FromF32>(&self, x: &[T], hd: usize) -> Vec<T> {
+        let (b, n, np, h) = (self.batch, self.n, self.np, self.heads);
+        let mut out = vec![T::from_f32(0.0); 3 * b * h * np * hd];
+        for bi in 0..b {
+            for t in 0..n {
+                let row = &x[(bi * n + t) * 3 * h * hd..][..3 * h * hd];
+                for (i, &v) in row.iter().enumerate() {
+                    let (part, rem) = (i / (h * hd), i % (h * hd));
+                    let (hi, d) = (rem / hd, rem % hd);
+                    out[(((part * b + bi) * h + hi) * np + t) * hd + d] = v;
+                }
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for SplitHeads {
+    fn name(&self) -> &'static str {
+        "split_heads"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let hd = self.check(l)?;
+        let o = l.start_offset();
+        let out = match x {
+            CpuStorage::F32(x) => CpuStorage::F32(self.reference(&x[o..], hd)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(self.reference(&x[o..], hd)),
+            CpuStorage::F16(x) => CpuStorage::F16(self.reference(&x[o..], hd)),
+            _ => candle_core::bail!("split_heads: unsupported dtype"),
+        };
+        Ok((out, self.shape(hd)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        let hd = self.check(l)?;
+        let dev = x.device().clone();
+        let total = 3 * self.batch * self.heads * self.np * hd;
+        let cfg = LaunchConfig {
+            grid_dim: ((self.batch * self.np) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [self.batch as i32, self.n as i32, self.np as i32, self.heads as i32, hd as i32];
+        macro_rules! launch {
+            ($t:ty, $suffix:literal) => {{
+                let x = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+                // SAFETY: every element of [3, B, H, Np, D] is written (padding rows as 0).
+                let mut out = unsafe { dev.alloc::<$t>(total)? };
+                let func = dev.get_or_load_custom_func(concat!("split_heads_", $suffix), "mmserve_fused", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&mut out);
+                for a in &args {
+                    b.arg(a);
+                }
+                // SAFETY: reads [B·N, 3·H·D], writes `total` elements.
+                unsafe { b.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match x.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("split_heads: unsupported dtype {other:?}"),
+        };
+        Ok((out, self.shape(hd)))
+    }
+}
+
+/// q, k and v by head ([B, H, Np, D] each, rows from N to `np` zero) from a stacked
+/// projection `qkv` [B·N, 3·H·D].
+pub(crate) fn split_heads(
+    qkv: &Tensor,
+    (batch, n, np, heads): (usize, usize, usize, usize),
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let out = qkv.contiguous()?.apply_op1_no_bwd(&SplitHeads { batch, n, np, heads })?;
+    Ok((out.get(0)?, out.get(1)?, out.get(2)?))
+}
+
+/// CLIP's `quick_gelu`, `x · sigmoid(1.702 x)`, in one pass.
+struct QuickGelu;
+
+fn quick_gelu_reference<T: FromF32>(x: &[T]) -> Vec<T> {
+    let r = |v: f32| -> f32 { T::from_f32(v).into() };
+    x.iter()
+        .map(|&v| {
+            let v: f32 = v.into();
+            T::from_f32(v * r(1.0 / (1.0 + (-r(1.702 * v)).exp())))
+        })
+        .collect()
+}
+
+impl CustomOp1 for QuickGelu {
+    fn name(&self) -> &'static str {
+        "quick_gelu"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        if !l.is_contiguous() {
+            candle_core::bail!("quick_gelu: x must be contiguous");
+        }
+        let (o, n) = (l.start_offset(), l.shape().elem_count());
+        let out = match x {
+            CpuStorage::F32(x) => CpuStorage::F32(quick_gelu_reference(&x[o..o + n])),
+            CpuStorage::BF16(x) => CpuStorage::BF16(quick_gelu_reference(&x[o..o + n])),
+            CpuStorage::F16(x) => CpuStorage::F16(quick_gelu_reference(&x[o..o + n])),
+            _ => candle_core::bail!("quick_gelu: unsupported dtype"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        if !l.is_contiguous() {
+            candle_core::bail!("quick_gelu: x must be contiguous");
+        }
+        let n = l.shape().elem_count();
+        let dev = x.device().clone();
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n_arg = n as i64;
+        macro_rules! launch {
+            ($t:ty, $suffix:literal) => {{
+                let x = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
+                // SAFETY: the grid-stride loop writes every element.
+                let mut out = unsafe { dev.alloc::<$t>(n)? };
+                let func = dev.get_or_load_custom_func(concat!("quick_gelu_", $suffix), "mmserve_fused", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&mut out).arg(&n_arg);
+                // SAFETY: reads and writes n elements.
+                unsafe { b.launch(cfg) }.w()?;
+                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match x.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("quick_gelu: unsupported dtype {other:?}"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// `x · sigmoid(1.702 x)` (CLIP's activation).
+pub(crate) fn quick_gelu(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&QuickGelu)
 }
 
 /// `x + bias` with `bias` [cols] broadcast over x's rows.
@@ -239,8 +440,25 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 _ => 1e-6,
             };
             let softmax = (scaled_softmax(&xd, 0.37, causal)?, scaled_softmax(&x, 0.37, causal)?);
+            let valid = cols.div_ceil(2);
+            let hidden_cols = (scaled_softmax_cols(&xd, 0.37, valid)?, scaled_softmax_cols(&x, 0.37, valid)?);
             let biased = (add_bias(&xd, &bd)?, add_bias(&x, &bias)?);
-            for (what, (got, want), scale) in [("softmax", softmax, 1.0), ("bias", biased, 8.0)] {
+            let gelu = (quick_gelu(&xd)?, quick_gelu(&x)?);
+            // [rows, cols] as [B·N, 3·H·D] with B = H = 1, when 3 divides cols.
+            let split = if cols.is_multiple_of(3) {
+                let dims = (1, rows, rows.next_multiple_of(8), 1);
+                let (g, w) = (split_heads(&xd, dims)?, split_heads(&x, dims)?);
+                Some(("split_heads", (Tensor::cat(&[g.0, g.1, g.2], 0)?, Tensor::cat(&[w.0, w.1, w.2], 0)?), 1.0))
+            } else {
+                None
+            };
+            let cases = [
+                ("softmax", softmax, 1.0),
+                ("softmax over the first columns", hidden_cols, 1.0),
+                ("bias", biased, 8.0),
+                ("quick_gelu", gelu, 8.0),
+            ];
+            for (what, (got, want), scale) in cases.into_iter().chain(split) {
                 let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
                 let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
                 let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, |m, d| m.max(d));
@@ -279,6 +497,27 @@ mod tests {
         let b = Tensor::randn(0f32, 1.0, 5, &dev).unwrap();
         let d = (add_bias(&x, &b).unwrap() - x.broadcast_add(&b).unwrap()).unwrap();
         assert_eq!(d.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn split_heads_and_quick_gelu_twins_match_candle() {
+        let dev = Device::Cpu;
+        let (b, n, h, d) = (2, 5, 3, 4);
+        let x = Tensor::randn(0f32, 1.0, (b * n, 3 * h * d), &dev).unwrap();
+        let (q, k, v) = split_heads(&x, (b, n, 8, h)).unwrap();
+        let by_head = x.reshape((b, n, 3, h, d)).unwrap().permute((2, 0, 3, 1, 4)).unwrap();
+        for (i, got) in [q, k, v].iter().enumerate() {
+            assert_eq!(got.dims(), &[b, h, 8, d]);
+            let want = by_head.get(i).unwrap();
+            let d = (got.narrow(2, 0, n).unwrap() - want).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+            let pad = got.narrow(2, n, 8 - n).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(pad.to_scalar::<f32>().unwrap(), 0.0, "padding rows are zero");
+        }
+        let x = Tensor::randn(0f32, 2.0, (3, 7), &dev).unwrap();
+        let want = (&x * candle_nn::ops::sigmoid(&(&x * 1.702).unwrap()).unwrap()).unwrap();
+        let d = (quick_gelu(&x).unwrap() - want).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
     }
 
     #[test]
