@@ -98,31 +98,42 @@ impl InplaceOp3 for WriteKv {
         let d = dims(lp, ls, lt)?;
         let dev = pool.device().clone();
         let slots = slots.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
-        let (n, heads, bs, hd) = (d.n as i32, d.heads as i32, d.block_size as i32, d.head_dim as i32);
-        let total = d.n * d.heads * d.head_dim;
-        if total == 0 {
+        if d.n * d.heads * d.head_dim == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig::for_num_elems(total.min(1 << 30) as u32);
+        let elem = pool.dtype().size_in_bytes();
+        let row_bytes = d.head_dim * elem;
+        // 16-byte words when the rows and both starts are multiples of 16 bytes (the pool's
+        // and src's allocations are aligned; their offsets decide).
+        let wide =
+            row_bytes.is_multiple_of(16) && [lp, ls].iter().all(|l| (l.start_offset() * elem).is_multiple_of(16));
+        let words = if wide { row_bytes / 16 } else { d.head_dim };
+        let rows = d.n * d.heads;
+        let cfg =
+            LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 };
+        let (rows_arg, heads, bs, words_arg) = (rows as i32, d.heads as i32, d.block_size as i32, words as i32);
         macro_rules! launch {
-            ($t:ty, $kernel:literal) => {{
+            ($t:ty, $kernel:expr) => {{
                 let func = dev.get_or_load_custom_func($kernel, "mmserve_kv_cache", PTX)?;
                 let s = src.as_cuda_slice::<$t>()?.slice(ls.start_offset()..);
                 let p = pool.as_cuda_slice_mut::<$t>()?;
                 let mut p = p.slice_mut(lp.start_offset()..);
                 let mut b = func.builder();
-                b.arg(&mut p).arg(&s).arg(&slots).arg(&n).arg(&heads).arg(&bs).arg(&hd);
+                b.arg(&mut p).arg(&s).arg(&slots).arg(&rows_arg).arg(&heads).arg(&bs).arg(&words_arg);
                 // SAFETY: the kernel writes only inside `pool` (every slot's block was
                 // checked by the caller against the pool) and reads `src` and `slots`
-                // within the sizes passed; all three live on this device's stream.
+                // within the sizes passed (`words` words of 16 bytes only where the row is
+                // that many bytes and both starts are 16-byte aligned); all three live on
+                // this device's stream.
                 unsafe { b.launch(cfg) }.w()?;
             }};
         }
         use candle_core::DType;
+        let narrow = |name: &'static str| if wide { "write_kv_w16" } else { name };
         match pool.dtype() {
-            DType::BF16 => launch!(half::bf16, "write_kv_b16"),
-            DType::F16 => launch!(half::f16, "write_kv_b16"),
-            DType::F32 => launch!(f32, "write_kv_b32"),
+            DType::BF16 => launch!(half::bf16, narrow("write_kv_b16")),
+            DType::F16 => launch!(half::f16, narrow("write_kv_b16")),
+            DType::F32 => launch!(f32, narrow("write_kv_b32")),
             other => candle_core::bail!("write_kv: unsupported dtype {other:?}"),
         }
         Ok(())
@@ -139,11 +150,12 @@ pub(crate) fn write_kv(pool: &Tensor, src: &Tensor, slots: &Tensor) -> Result<()
 /// (empty when all agree).
 pub fn self_test(device: &candle_core::Device) -> Result<Vec<String>, ModelError> {
     use candle_core::{DType, Device};
-    let (blocks, heads, bs, hd, n) = (7, 3, 5, 9, 13);
+    let (blocks, heads, bs, n) = (7, 3, 5, 13);
     // A fixed permutation of the 35 slots; the first 13 are written.
     let slots: Vec<u32> = (0..35u32).map(|i| (i * 11 + 3) % 35).take(n).collect();
     let mut bad = Vec::new();
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    // Rows of 9 values go element by element, of 16 values in 16-byte words.
+    for (dtype, hd) in [DType::F32, DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, 9), (d, 16)]) {
         let run = |dev: &Device| -> Result<Vec<f32>, ModelError> {
             let pool = Tensor::full(1234.5f32, (blocks, heads, bs, hd), dev)?.to_dtype(dtype)?;
             let src = Tensor::arange(0f32, (n * heads * hd) as f32, dev)?.reshape((n, heads, hd))?.to_dtype(dtype)?;
@@ -151,7 +163,7 @@ pub fn self_test(device: &candle_core::Device) -> Result<Vec<String>, ModelError
             Ok(pool.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
         };
         if run(device)? != run(&Device::Cpu)? {
-            bad.push(format!("{dtype:?}"));
+            bad.push(format!("{dtype:?} head_dim {hd}"));
         }
     }
     Ok(bad)
