@@ -17,16 +17,7 @@
 // split_heads, quick_gelu: the encoder layer's head split of a stacked q/k/v GEMM (with the
 //   keys padded to a multiple of 8), and CLIP's activation in one pass instead of three.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+#include "float.cuh"
 
 #define SOFTMAX_WARPS 8
 
@@ -55,9 +46,6 @@ __device__ void add_bias(const T* __restrict__ x, const T* __restrict__ b, T* __
     out[i] = from_f32<T>(to_f32(x[i]) + to_f32(b[i % cols]));
   }
 }
-
-// Rounds an f32 result to T and back: one op of T's arithmetic.
-template <typename T> __device__ __forceinline__ float r(float x) { return to_f32(from_f32<T>(x)); }
 
 // split_heads: qkv [B·N, 3·H·D] (one GEMM of stacked q/k/v weights) → [3, B, H, Np, D],
 // rows n >= N zero (Np, a multiple of 8, keeps the attention GEMMs' leading dims aligned).

@@ -16,18 +16,9 @@
 // unnormalised sum of values) and `paged_decode_reduce` combines the splits. Splits exist
 // for small batches: they give the GPU enough CTAs when seqs × heads alone would not.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "float.cuh"
 
 #define WARPS 4
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
 
 // Lane `lane`'s EPL elements of a row of `hd` values at `row` (zeros past the row's end).
 // VEC: hd and the row's offset are multiples of EPL, so each lane's chunk is aligned and

@@ -7,6 +7,9 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use crate::ModelError;
+#[cfg(feature = "cuda")]
+use crate::dispatch::by_float;
+use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 
 /// One op of `T`'s arithmetic: the f32 result rounded to `T` and back.
@@ -57,18 +60,7 @@ impl CustomOp3 for AddRmsNorm {
         let (rows, h) = norm_dims(lx, ly, lw)?;
         let (ox, oy, ow) = (lx.start_offset(), ly.start_offset(), lw.start_offset());
         let e = self.eps;
-        let out = match (x, y, w) {
-            (CpuStorage::F32(x), CpuStorage::F32(y), CpuStorage::F32(w)) => {
-                CpuStorage::F32(add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(y), CpuStorage::BF16(w)) => {
-                CpuStorage::BF16(add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(y), CpuStorage::F16(w)) => {
-                CpuStorage::F16(add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e))
-            }
-            _ => candle_core::bail!("add_rmsnorm: x, y and w must share a float dtype"),
-        };
+        let out = cpu_float!("add_rmsnorm", (x, y, w) => add_rmsnorm_ref(&x[ox..], &y[oy..], &w[ow..], rows, h, e));
         Ok((out, Shape::from((2, rows, h))))
     }
 
@@ -89,27 +81,19 @@ impl CustomOp3 for AddRmsNorm {
         let dev = x.device().clone();
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (rows_arg, h_arg) = (rows as i32, h as i32);
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let x = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-                let y = y.as_cuda_slice::<$t>()?.slice(ly.start_offset()..);
-                let w = w.as_cuda_slice::<$t>()?.slice(lw.start_offset()..);
-                // SAFETY: the kernel writes both halves of every row.
-                let mut out = unsafe { dev.alloc::<$t>(2 * rows * h)? };
-                let func = dev.get_or_load_custom_func(concat!("add_rmsnorm_", $suffix), "mmserve_decoder", PTX)?;
-                let mut b = func.builder();
-                b.arg(&x).arg(&y).arg(&w).arg(&mut out).arg(&rows_arg).arg(&h_arg).arg(&self.eps);
-                // SAFETY: reads [rows, h] of x and y and [h] of w, writes [2, rows, h].
-                unsafe { b.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("add_rmsnorm: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(x.dtype(), "add_rmsnorm", |T, SUFFIX| {
+            let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+            let y = y.as_cuda_slice::<T>()?.slice(ly.start_offset()..);
+            let w = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+            // SAFETY: the kernel writes both halves of every row.
+            let mut out = unsafe { dev.alloc::<T>(2 * rows * h)? };
+            let func = dev.get_or_load_custom_func(&format!("add_rmsnorm_{SUFFIX}"), "mmserve_decoder", PTX)?;
+            let mut b = func.builder();
+            b.arg(&x).arg(&y).arg(&w).arg(&mut out).arg(&rows_arg).arg(&h_arg).arg(&self.eps);
+            // SAFETY: reads [rows, h] of x and y and [h] of w, writes [2, rows, h].
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, Shape::from((2, rows, h))))
     }
 }
@@ -147,12 +131,7 @@ impl CustomOp1 for SiluMul {
         contiguous("silu_mul", &[l])?;
         let (rows, two) = l.shape().dims2()?;
         let (inter, o) = (two / 2, l.start_offset());
-        let out = match gu {
-            CpuStorage::F32(x) => CpuStorage::F32(silu_mul_ref(&x[o..], rows, inter)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(silu_mul_ref(&x[o..], rows, inter)),
-            CpuStorage::F16(x) => CpuStorage::F16(silu_mul_ref(&x[o..], rows, inter)),
-            _ => candle_core::bail!("silu_mul: unsupported dtype"),
-        };
+        let out = cpu_float!("silu_mul", (gu) => silu_mul_ref(&gu[o..], rows, inter));
         Ok((out, Shape::from((rows, inter))))
     }
 
@@ -176,25 +155,17 @@ impl CustomOp1 for SiluMul {
             shared_mem_bytes: 0,
         };
         let (rows_arg, inter_arg) = (rows as i64, inter as i32);
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let gu = gu.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
-                // SAFETY: the grid-stride loop writes every element.
-                let mut out = unsafe { dev.alloc::<$t>(n)? };
-                let func = dev.get_or_load_custom_func(concat!("silu_mul_", $suffix), "mmserve_decoder", PTX)?;
-                let mut b = func.builder();
-                b.arg(&gu).arg(&mut out).arg(&rows_arg).arg(&inter_arg);
-                // SAFETY: reads [rows, 2I], writes [rows, I].
-                unsafe { b.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match gu.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("silu_mul: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(gu.dtype(), "silu_mul", |T, SUFFIX| {
+            let gu = gu.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            // SAFETY: the grid-stride loop writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n)? };
+            let func = dev.get_or_load_custom_func(&format!("silu_mul_{SUFFIX}"), "mmserve_decoder", PTX)?;
+            let mut b = func.builder();
+            b.arg(&gu).arg(&mut out).arg(&rows_arg).arg(&inter_arg);
+            // SAFETY: reads [rows, 2I], writes [rows, I].
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, Shape::from((rows, inter))))
     }
 }
@@ -267,18 +238,7 @@ impl CustomOp3 for RopeSplit {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let t = self.dims(lx, lc, ls)?;
         let (ox, oc, os) = (lx.start_offset(), lc.start_offset(), ls.start_offset());
-        let out = match (x, c, s) {
-            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
-                CpuStorage::F32(self.reference(&x[ox..], &c[oc..], &s[os..], t))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
-                CpuStorage::BF16(self.reference(&x[ox..], &c[oc..], &s[os..], t))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => {
-                CpuStorage::F16(self.reference(&x[ox..], &c[oc..], &s[os..], t))
-            }
-            _ => candle_core::bail!("rope_split: qkv, cos and sin must share a float dtype"),
-        };
+        let out = cpu_float!("rope_split", (x, c, s) => self.reference(&x[ox..], &c[oc..], &s[os..], t));
         Ok((out, Shape::from(lx.shape().elem_count())))
     }
 
@@ -300,27 +260,19 @@ impl CustomOp3 for RopeSplit {
         let n = lx.shape().elem_count();
         let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (t_arg, h, k, d) = (t as i32, self.heads as i32, self.kv_heads as i32, self.head_dim as i32);
-        macro_rules! launch {
-            ($ty:ty, $suffix:literal) => {{
-                let x = x.as_cuda_slice::<$ty>()?.slice(lx.start_offset()..);
-                let c = c.as_cuda_slice::<$ty>()?.slice(lc.start_offset()..);
-                let s = s.as_cuda_slice::<$ty>()?.slice(ls.start_offset()..);
-                // SAFETY: every q, k and v element of every token is written.
-                let mut out = unsafe { dev.alloc::<$ty>(n)? };
-                let func = dev.get_or_load_custom_func(concat!("rope_split_", $suffix), "mmserve_decoder", PTX)?;
-                let mut b = func.builder();
-                b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(&t_arg).arg(&h).arg(&k).arg(&d);
-                // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements.
-                unsafe { b.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("rope_split: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(x.dtype(), "rope_split", |T, SUFFIX| {
+            let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+            let c = c.as_cuda_slice::<T>()?.slice(lc.start_offset()..);
+            let s = s.as_cuda_slice::<T>()?.slice(ls.start_offset()..);
+            // SAFETY: every q, k and v element of every token is written.
+            let mut out = unsafe { dev.alloc::<T>(n)? };
+            let func = dev.get_or_load_custom_func(&format!("rope_split_{SUFFIX}"), "mmserve_decoder", PTX)?;
+            let mut b = func.builder();
+            b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(&t_arg).arg(&h).arg(&k).arg(&d);
+            // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, Shape::from(n)))
     }
 }

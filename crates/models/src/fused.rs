@@ -8,6 +8,9 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor};
 
 use crate::ModelError;
+#[cfg(feature = "cuda")]
+use crate::dispatch::by_float;
+use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 
 /// `softmax(scale · x)` over the last dim, in f32, in x's dtype. `causal: Some((n, past))`:
@@ -64,12 +67,7 @@ impl CustomOp1 for ScaledSoftmax {
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, cols) = self.dims(l)?;
         let o = l.start_offset();
-        let out = match x {
-            CpuStorage::F32(x) => CpuStorage::F32(self.reference(&x[o..], rows, cols)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(self.reference(&x[o..], rows, cols)),
-            CpuStorage::F16(x) => CpuStorage::F16(self.reference(&x[o..], rows, cols)),
-            _ => candle_core::bail!("scaled_softmax: the scores must be f32, bf16 or f16"),
-        };
+        let out = cpu_float!("scaled_softmax", (x) => self.reference(&x[o..], rows, cols));
         Ok((out, l.shape().clone()))
     }
 
@@ -94,25 +92,17 @@ impl CustomOp1 for ScaledSoftmax {
             block_dim: (WARPS as u32 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let x = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
-                // SAFETY: the kernel writes every element of every row.
-                let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
-                let func = dev.get_or_load_custom_func(concat!("scaled_softmax_", $suffix), "mmserve_fused", PTX)?;
-                let mut b = func.builder();
-                b.arg(&x).arg(&mut out).arg(&rows_arg).arg(&cols_arg).arg(&self.scale).arg(&n).arg(&past).arg(&valid);
-                // SAFETY: reads and writes [rows, cols] contiguous from the slices' starts.
-                unsafe { b.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("scaled_softmax: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(x.dtype(), "scaled_softmax", |T, SUFFIX| {
+            let x = x.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            // SAFETY: the kernel writes every element of every row.
+            let mut out = unsafe { dev.alloc::<T>(rows * cols)? };
+            let func = dev.get_or_load_custom_func(&format!("scaled_softmax_{SUFFIX}"), "mmserve_fused", PTX)?;
+            let mut b = func.builder();
+            b.arg(&x).arg(&mut out).arg(&rows_arg).arg(&cols_arg).arg(&self.scale).arg(&n).arg(&past).arg(&valid);
+            // SAFETY: reads and writes [rows, cols] contiguous from the slices' starts.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, l.shape().clone()))
     }
 }
@@ -146,18 +136,7 @@ impl CustomOp2 for AddBias {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, cols) = bias_dims(lx, lb)?;
         let (ox, ob) = (lx.start_offset(), lb.start_offset());
-        let out = match (x, b) {
-            (CpuStorage::F32(x), CpuStorage::F32(b)) => {
-                CpuStorage::F32(add_bias_reference(&x[ox..], &b[ob..], n, cols))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(b)) => {
-                CpuStorage::BF16(add_bias_reference(&x[ox..], &b[ob..], n, cols))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(b)) => {
-                CpuStorage::F16(add_bias_reference(&x[ox..], &b[ob..], n, cols))
-            }
-            _ => candle_core::bail!("add_bias: x and the bias must share a float dtype"),
-        };
+        let out = cpu_float!("add_bias", (x, b) => add_bias_reference(&x[ox..], &b[ob..], n, cols));
         Ok((out, lx.shape().clone()))
     }
 
@@ -181,26 +160,18 @@ impl CustomOp2 for AddBias {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let x = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-                let b = b.as_cuda_slice::<$t>()?.slice(lb.start_offset()..);
-                // SAFETY: the grid-stride loop writes every element.
-                let mut out = unsafe { dev.alloc::<$t>(n)? };
-                let func = dev.get_or_load_custom_func(concat!("add_bias_", $suffix), "mmserve_fused", PTX)?;
-                let mut builder = func.builder();
-                builder.arg(&x).arg(&b).arg(&mut out).arg(&n_arg).arg(&cols_arg);
-                // SAFETY: reads n elements of x and cols of b, writes n of out.
-                unsafe { builder.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("add_bias: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(x.dtype(), "add_bias", |T, SUFFIX| {
+            let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+            let b = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+            // SAFETY: the grid-stride loop writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n)? };
+            let func = dev.get_or_load_custom_func(&format!("add_bias_{SUFFIX}"), "mmserve_fused", PTX)?;
+            let mut builder = func.builder();
+            builder.arg(&x).arg(&b).arg(&mut out).arg(&n_arg).arg(&cols_arg);
+            // SAFETY: reads n elements of x and cols of b, writes n of out.
+            unsafe { builder.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, lx.shape().clone()))
     }
 }
@@ -272,12 +243,7 @@ impl CustomOp1 for SplitHeads {
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let hd = self.check(l)?;
         let o = l.start_offset();
-        let out = match x {
-            CpuStorage::F32(x) => CpuStorage::F32(self.reference(&x[o..], hd)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(self.reference(&x[o..], hd)),
-            CpuStorage::F16(x) => CpuStorage::F16(self.reference(&x[o..], hd)),
-            _ => candle_core::bail!("split_heads: unsupported dtype"),
-        };
+        let out = cpu_float!("split_heads", (x) => self.reference(&x[o..], hd));
         Ok((out, self.shape(hd)))
     }
 
@@ -299,28 +265,20 @@ impl CustomOp1 for SplitHeads {
             shared_mem_bytes: 0,
         };
         let args = [self.batch as i32, self.n as i32, self.np as i32, self.heads as i32, hd as i32];
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let x = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
-                // SAFETY: every element of [3, B, H, Np, D] is written (padding rows as 0).
-                let mut out = unsafe { dev.alloc::<$t>(total)? };
-                let func = dev.get_or_load_custom_func(concat!("split_heads_", $suffix), "mmserve_fused", PTX)?;
-                let mut b = func.builder();
-                b.arg(&x).arg(&mut out);
-                for a in &args {
-                    b.arg(a);
-                }
-                // SAFETY: reads [B·N, 3·H·D], writes `total` elements.
-                unsafe { b.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("split_heads: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(x.dtype(), "split_heads", |T, SUFFIX| {
+            let x = x.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            // SAFETY: every element of [3, B, H, Np, D] is written (padding rows as 0).
+            let mut out = unsafe { dev.alloc::<T>(total)? };
+            let func = dev.get_or_load_custom_func(&format!("split_heads_{SUFFIX}"), "mmserve_fused", PTX)?;
+            let mut b = func.builder();
+            b.arg(&x).arg(&mut out);
+            for a in &args {
+                b.arg(a);
+            }
+            // SAFETY: reads [B·N, 3·H·D], writes `total` elements.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, self.shape(hd)))
     }
 }
@@ -358,12 +316,7 @@ impl CustomOp1 for QuickGelu {
             candle_core::bail!("quick_gelu: x must be contiguous");
         }
         let (o, n) = (l.start_offset(), l.shape().elem_count());
-        let out = match x {
-            CpuStorage::F32(x) => CpuStorage::F32(quick_gelu_reference(&x[o..o + n])),
-            CpuStorage::BF16(x) => CpuStorage::BF16(quick_gelu_reference(&x[o..o + n])),
-            CpuStorage::F16(x) => CpuStorage::F16(quick_gelu_reference(&x[o..o + n])),
-            _ => candle_core::bail!("quick_gelu: unsupported dtype"),
-        };
+        let out = cpu_float!("quick_gelu", (x) => quick_gelu_reference(&x[o..o + n]));
         Ok((out, l.shape().clone()))
     }
 
@@ -387,25 +340,17 @@ impl CustomOp1 for QuickGelu {
             shared_mem_bytes: 0,
         };
         let n_arg = n as i64;
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let x = x.as_cuda_slice::<$t>()?.slice(l.start_offset()..);
-                // SAFETY: the grid-stride loop writes every element.
-                let mut out = unsafe { dev.alloc::<$t>(n)? };
-                let func = dev.get_or_load_custom_func(concat!("quick_gelu_", $suffix), "mmserve_fused", PTX)?;
-                let mut b = func.builder();
-                b.arg(&x).arg(&mut out).arg(&n_arg);
-                // SAFETY: reads and writes n elements.
-                unsafe { b.launch(cfg) }.w()?;
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match x.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("quick_gelu: unsupported dtype {other:?}"),
-        };
+        let out = by_float!(x.dtype(), "quick_gelu", |T, SUFFIX| {
+            let x = x.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            // SAFETY: the grid-stride loop writes every element.
+            let mut out = unsafe { dev.alloc::<T>(n)? };
+            let func = dev.get_or_load_custom_func(&format!("quick_gelu_{SUFFIX}"), "mmserve_fused", PTX)?;
+            let mut b = func.builder();
+            b.arg(&x).arg(&mut out).arg(&n_arg);
+            // SAFETY: reads and writes n elements.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, l.shape().clone()))
     }
 }

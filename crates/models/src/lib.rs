@@ -11,6 +11,7 @@
 mod activation;
 mod clip;
 mod decoder_fused;
+mod dispatch;
 mod elem;
 mod encoder_attention;
 mod error;

@@ -10,6 +10,9 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use crate::ModelError;
+#[cfg(feature = "cuda")]
+use crate::dispatch::by_float;
+use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 
 /// The block tables of a step of decodes, as the kernel reads them: u32
@@ -143,18 +146,7 @@ impl CustomOp3 for PagedDecode<'_> {
         };
         let (w, sc) = (self.tables.width, self.scale);
         let (oq, ok, ov) = (lq.start_offset(), lk.start_offset(), lv.start_offset());
-        let out = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                CpuStorage::F32(reference(&q[oq..], &k[ok..], &v[ov..], meta, w, &d, sc))
-            }
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                CpuStorage::BF16(reference(&q[oq..], &k[ok..], &v[ov..], meta, w, &d, sc))
-            }
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                CpuStorage::F16(reference(&q[oq..], &k[ok..], &v[ov..], meta, w, &d, sc))
-            }
-            _ => candle_core::bail!("paged_decode: q, k and v must share a float dtype"),
-        };
+        let out = cpu_float!("paged_decode", (q, k, v) => reference(&q[oq..], &k[ok..], &v[ov..], meta, w, &d, sc));
         Ok((out, lq.shape().clone()))
     }
 
@@ -214,53 +206,45 @@ impl CustomOp3 for PagedDecode<'_> {
         };
         let (heads, kvh, bs, hd) = (d.heads as i32, d.kv_heads as i32, d.block_size as i32, d.head_dim as i32);
         let (width, split_len, scale) = (self.tables.width as i32, split_len as i32, self.scale);
-        macro_rules! launch {
-            ($t:ty, $suffix:literal) => {{
-                let q = q.as_cuda_slice::<$t>()?.slice(lq.start_offset()..);
-                let k = k.as_cuda_slice::<$t>()?.slice(lk.start_offset()..);
-                let v = v.as_cuda_slice::<$t>()?.slice(lv.start_offset()..);
-                // SAFETY: written in full before it is read (see above).
-                let mut out = unsafe { dev.alloc::<$t>(n_out)? };
-                let func = dev.get_or_load_custom_func(
-                    &format!("paged_decode_{}_{variant}", $suffix),
+        let out = by_float!(q.dtype(), "paged_decode", |T, SUFFIX| {
+            let q = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+            let k = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
+            let v = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+            // SAFETY: written in full before it is read (see above).
+            let mut out = unsafe { dev.alloc::<T>(n_out)? };
+            let func = dev.get_or_load_custom_func(
+                &format!("paged_decode_{SUFFIX}_{variant}"),
+                "mmserve_paged_attention",
+                PTX,
+            )?;
+            let mut b = func.builder();
+            b.arg(&q).arg(&k).arg(&v).arg(&meta).arg(&mut out).arg(&mut part_acc).arg(&mut part_ml);
+            b.arg(&heads).arg(&kvh).arg(&bs).arg(&hd).arg(&width).arg(&split_len).arg(&scale);
+            // SAFETY: the kernel reads q within [seqs, heads, head_dim], the pool within
+            // the blocks the tables name (checked against the pool by the caller), the
+            // tables within [seqs, 1 + width]; it writes `out` or the partials within
+            // their sizes. All live on this device's stream.
+            unsafe { b.launch(cfg) }.w()?;
+            if splits > 1 {
+                let reduce = dev.get_or_load_custom_func(
+                    &format!("paged_decode_reduce_{SUFFIX}"),
                     "mmserve_paged_attention",
                     PTX,
                 )?;
-                let mut b = func.builder();
-                b.arg(&q).arg(&k).arg(&v).arg(&meta).arg(&mut out).arg(&mut part_acc).arg(&mut part_ml);
-                b.arg(&heads).arg(&kvh).arg(&bs).arg(&hd).arg(&width).arg(&split_len).arg(&scale);
-                // SAFETY: the kernel reads q within [seqs, heads, head_dim], the pool within
-                // the blocks the tables name (checked against the pool by the caller), the
-                // tables within [seqs, 1 + width]; it writes `out` or the partials within
-                // their sizes. All live on this device's stream.
+                let mut b = reduce.builder();
+                let splits = splits as i32;
+                b.arg(&part_acc).arg(&part_ml).arg(&mut out).arg(&heads).arg(&hd).arg(&splits);
+                let cfg = LaunchConfig {
+                    grid_dim: (d.heads as u32, d.seqs as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: reads the partials the first launch wrote, writes `out` within
+                // [seqs, heads, head_dim]; same stream, so ordered after it.
                 unsafe { b.launch(cfg) }.w()?;
-                if splits > 1 {
-                    let reduce = dev.get_or_load_custom_func(
-                        concat!("paged_decode_reduce_", $suffix),
-                        "mmserve_paged_attention",
-                        PTX,
-                    )?;
-                    let mut b = reduce.builder();
-                    let splits = splits as i32;
-                    b.arg(&part_acc).arg(&part_ml).arg(&mut out).arg(&heads).arg(&hd).arg(&splits);
-                    let cfg = LaunchConfig {
-                        grid_dim: (d.heads as u32, d.seqs as u32, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    // SAFETY: reads the partials the first launch wrote, writes `out` within
-                    // [seqs, heads, head_dim]; same stream, so ordered after it.
-                    unsafe { b.launch(cfg) }.w()?;
-                }
-                candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let out = match q.dtype() {
-            DType::F32 => launch!(f32, "f32"),
-            DType::BF16 => launch!(half::bf16, "bf16"),
-            DType::F16 => launch!(half::f16, "f16"),
-            other => candle_core::bail!("paged_decode: unsupported dtype {other:?}"),
-        };
+            }
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
         Ok((out, lq.shape().clone()))
     }
 }
