@@ -14,6 +14,8 @@ timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dt
   --batches 1,8 --prompt 32 --output 8 --prefill 256 --images 1,4 --repeats 3
 timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dtype bfloat16 --parity \
   --batches 1 --prompt 32 --output 8 --prefill 0 --images 1 --repeats 3
+echo "== transformers' own bf16 error on the fixture (the floor for the bf16 line above)"
+timeout 200 python3 benches/gpu/hf_bf16_error.py 2>/dev/null | tail -1
 echo "== llava-1.5-7b shapes, dummy bf16 weights"
 timeout 420 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy --device cuda \
   --dtype bfloat16 --json | tee "$OUT/mmserve_llava7b.jsonl"
