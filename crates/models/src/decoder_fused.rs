@@ -11,6 +11,12 @@ use crate::ModelError;
 use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::WrapErr;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// One op of `T`'s arithmetic: the f32 result rounded to `T` and back.
 fn r<T: FromF32>(x: f32) -> f32 {
@@ -74,9 +80,6 @@ impl CustomOp3 for AddRmsNorm {
         w: &candle_core::CudaStorage,
         lw: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         let (rows, h) = norm_dims(lx, ly, lw)?;
         let dev = x.device().clone();
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -141,9 +144,6 @@ impl CustomOp1 for SiluMul {
         gu: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         contiguous("silu_mul", &[l])?;
         let (rows, two) = l.shape().dims2()?;
         let inter = two / 2;
@@ -252,9 +252,6 @@ impl CustomOp3 for RopeSplit {
         s: &candle_core::CudaStorage,
         ls: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         let t = self.dims(lx, lc, ls)?;
         let dev = x.device().clone();
         let n = lx.shape().elem_count();

@@ -12,6 +12,12 @@ use crate::ModelError;
 use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::WrapErr;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// `softmax(scale · x)` over the last dim, in f32, in x's dtype. `causal: Some((n, past))`:
 /// the rows are queries folded as `[.., n]` (row r is query `r % n`, at position
@@ -77,9 +83,6 @@ impl CustomOp1 for ScaledSoftmax {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         const WARPS: usize = 8; // SOFTMAX_WARPS in the kernel
 
         let (rows, cols) = self.dims(l)?;
@@ -148,10 +151,6 @@ impl CustomOp2 for AddBias {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-
         let (n, cols) = bias_dims(lx, lb)?;
         let dev = x.device().clone();
         let (n_arg, cols_arg) = (n as i64, i32::try_from(cols).map_err(candle_core::Error::wrap)?);
@@ -253,9 +252,6 @@ impl CustomOp1 for SplitHeads {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         let hd = self.check(l)?;
         let dev = x.device().clone();
         let total = 3 * self.batch * self.heads * self.np * hd;
@@ -326,9 +322,6 @@ impl CustomOp1 for QuickGelu {
         x: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         if !l.is_contiguous() {
             candle_core::bail!("quick_gelu: x must be contiguous");
         }

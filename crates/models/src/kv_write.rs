@@ -9,6 +9,12 @@
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor};
 
 use crate::ModelError;
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::WrapErr;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// `pool` [num_blocks, kv_heads, block_size, head_dim] ← `src` [n, kv_heads, head_dim]
 /// at `slots` [n] (u32: `block · block_size + row`).
@@ -90,9 +96,6 @@ impl InplaceOp3 for WriteKv {
         slots: &candle_core::CudaStorage,
         lt: &Layout,
     ) -> candle_core::Result<()> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_cache.ptx"));
 
         let d = dims(lp, ls, lt)?;

@@ -14,6 +14,12 @@ use crate::ModelError;
 use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::WrapErr;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, sys};
 
 /// The block tables of a step of decodes, as the kernel reads them: u32
 /// `[seqs, 1 + width]`, each row the sequence's length (the keys to attend over: its new
@@ -160,9 +166,6 @@ impl CustomOp3 for PagedDecode<'_> {
         v: &candle_core::CudaStorage,
         lv: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, sys};
         const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
         const WARPS: u32 = 4;
 

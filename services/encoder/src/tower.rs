@@ -76,14 +76,18 @@ impl Tower {
     /// Embedding rows of each input, flattened ([tokens × hidden] per item), in order.
     pub(crate) fn run(&self, inputs: Vec<Input>) -> Result<Vec<Vec<f32>>, String> {
         let n = inputs.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let flat = |t: Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
         let out = match self {
             Tower::Vision { model, device, .. } => {
                 let s = model.image_size();
                 let pixels: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
                 let input = Tensor::from_vec(pixels, (n, 3, s, s), device).map_err(|e| e.to_string())?;
-                let rows = model.encode(&input).map_err(|e| e.to_string())?;
-                (0..n).map(|i| flat(rows.get(i)?)).collect::<candle_core::Result<Vec<_>>>()
+                // One copy of the whole batch off the device, then split per item.
+                let rows = flat(model.encode(&input).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+                Ok(rows.chunks(rows.len() / n).map(<[f32]>::to_vec).collect())
             }
             Tower::Audio { model, features, device } => {
                 let valid: Vec<usize> = inputs.iter().map(|i| i.valid_frames).collect();
