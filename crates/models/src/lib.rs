@@ -9,6 +9,7 @@
 //! either the Hub's or transformers v5's tensor naming ([`Weights`]).
 
 mod activation;
+mod arena_rows;
 mod clip;
 mod decoder_fused;
 mod dispatch;
@@ -27,6 +28,7 @@ mod qwen2_audio;
 mod weights;
 
 pub use activation::Activation;
+pub use arena_rows::{ArenaRows, self_test as arena_rows_self_test, slot_source, text_source};
 pub use clip::ClipVisionTower;
 pub use decoder_fused::self_test as decoder_fused_self_test;
 pub use error::ModelError;

@@ -356,6 +356,11 @@ impl Llama {
     }
 
     /// Embedding rows for text token ids (ids < vocab_size): [n, hidden].
+    /// The token embedding table [vocab, hidden] (for [`crate::ArenaRows::gather`]).
+    pub fn embed_table(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
     pub fn embed_tokens(&self, ids: &[u32]) -> Result<Tensor, ModelError> {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
             return Err(ModelError::InvalidInput(format!(

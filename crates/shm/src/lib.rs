@@ -85,6 +85,12 @@ impl Segment {
         self.len == 0
     }
 
+    /// The mapping's first byte, for callers that hand the region to a device (pinned
+    /// host memory); reading or writing through it is theirs to make sound.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.shmem.as_ptr()
+    }
+
     /// Copies `src` into the segment at `offset`.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
         self.check_range(offset, src.len())?;

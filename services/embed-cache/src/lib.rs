@@ -17,7 +17,7 @@ use mmserve_protocol::ArenaDtype;
 
 pub use service::CacheService;
 pub use size::ByteSize;
-pub use view::ArenaView;
+pub use view::{ArenaView, EmbedRows};
 
 /// Flags of `mmserve embed-cache` (and the cache flags of `mmserve serve`).
 #[derive(Debug, Clone, clap::Args)]

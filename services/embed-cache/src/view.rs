@@ -16,6 +16,15 @@ pub struct ArenaView {
     data: Segment,
 }
 
+/// See [`ArenaView::embed_rows`]; valid while its view lives.
+#[derive(Debug, Clone, Copy)]
+pub struct EmbedRows {
+    pub ptr: *mut u8,
+    pub slots: usize,
+    pub row_len: usize,
+    pub dtype: ArenaDtype,
+}
+
 impl ArenaView {
     pub fn open(info: &ArenaInfo) -> Result<Self, ShmError> {
         let embed = Segment::open(&info.embed_segment, info.slots as usize * info.slot_bytes())?;
@@ -26,6 +35,17 @@ impl ArenaView {
     /// Values in one slot.
     pub fn row_len(&self) -> usize {
         self.info.layers as usize * self.info.hidden as usize
+    }
+
+    /// The embeddings as one dense region, `[slots, row_len]` of `info.dtype`, for a
+    /// model process to register with its device (the only layout it may assume).
+    pub fn embed_rows(&self) -> EmbedRows {
+        EmbedRows {
+            ptr: self.embed.as_ptr(),
+            slots: self.info.slots as usize,
+            row_len: self.row_len(),
+            dtype: self.info.dtype,
+        }
     }
 
     /// Writes whole rows starting at `slot`.

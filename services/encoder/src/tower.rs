@@ -2,7 +2,7 @@
 //! into the tower's input, and a batch of inputs into embedding rows. A new modality
 //! plugs in here (its preprocessing and its tower) and nowhere else in the encoder.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use mmserve_config::{ModelConfig, ModelDir};
 use mmserve_media::audio::WhisperFeatureExtractor;
 use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
@@ -73,29 +73,32 @@ impl Tower {
         }
     }
 
-    /// Embedding rows of each input, flattened ([tokens × hidden] per item), in order.
-    pub(crate) fn run(&self, inputs: Vec<Input>) -> Result<Vec<Vec<f32>>, String> {
+    pub(crate) fn device(&self) -> &Device {
+        match self {
+            Tower::Vision { device, .. } | Tower::Audio { device, .. } => device,
+        }
+    }
+
+    /// Embedding rows of each input ([tokens, hidden] per item, on the tower's device), in order.
+    pub(crate) fn run(&self, inputs: Vec<Input>) -> Result<Vec<Tensor>, String> {
         let n = inputs.len();
         if n == 0 {
             return Ok(Vec::new());
         }
-        let flat = |t: Tensor| -> candle_core::Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
         let out = match self {
             Tower::Vision { model, device, .. } => {
                 let s = model.image_size();
                 let pixels: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
                 let input = Tensor::from_vec(pixels, (n, 3, s, s), device).map_err(|e| e.to_string())?;
-                // One copy of the whole batch off the device, then split per item.
-                let rows = flat(model.encode(&input).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-                Ok(rows.chunks(rows.len() / n).map(<[f32]>::to_vec).collect())
+                let rows = model.encode(&input).map_err(|e| e.to_string())?;
+                (0..n).map(|i| rows.get(i)).collect::<candle_core::Result<Vec<_>>>()
             }
             Tower::Audio { model, features, device } => {
                 let valid: Vec<usize> = inputs.iter().map(|i| i.valid_frames).collect();
                 let values: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
                 let shape = (n, features.feature_size, features.nb_max_frames);
                 let input = Tensor::from_vec(values, shape, device).map_err(|e| e.to_string())?;
-                let rows = model.encode(&input, &valid).map_err(|e| e.to_string())?;
-                rows.into_iter().map(flat).collect::<candle_core::Result<Vec<_>>>()
+                Ok(model.encode(&input, &valid).map_err(|e| e.to_string())?)
             }
         };
         out.map_err(|e| e.to_string())

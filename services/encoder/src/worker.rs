@@ -4,8 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use candle_core::{DType, Device};
 use mmserve_config::ModelDir;
 use mmserve_embed_cache::ArenaView;
+use mmserve_models::ArenaRows;
+use mmserve_protocol::ArenaDtype;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, deadline};
 use tokio::runtime::Handle;
@@ -21,11 +24,32 @@ pub(crate) struct Job {
 
 pub(crate) struct Worker {
     tower: Tower,
+    /// The embedding rows as the tower's device writes them (pinned and mapped on a
+    /// GPU); declared before `arena` so it ends its registration before the unmap.
+    rows: ArenaRows,
     arena: ArenaView,
     cache: Arc<CacheConnection>,
     shared: Arc<Shared>,
     max_batch: usize,
     timeout: Duration,
+}
+
+/// `arena`'s embedding rows registered with `device` (a GPU then copies into them
+/// directly); staged through host memory, with a warning, where that fails.
+fn map_rows(arena: &ArenaView, device: &Device) -> Result<ArenaRows, mmserve_models::ModelError> {
+    let r = arena.embed_rows();
+    let dtype = match r.dtype {
+        ArenaDtype::F32 => DType::F32,
+        ArenaDtype::Bf16 => DType::BF16,
+        ArenaDtype::F16 => DType::F16,
+    };
+    // SAFETY: the region is `arena`'s mapping; the worker keeps the view alive for as
+    // long as the rows (`rows` is replaced before `arena`, and drops first).
+    let rows = unsafe { ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, device)? };
+    if let Some(why) = rows.mapping_error() {
+        tracing::warn!(why, "the arena is not mapped for the device; rows are copied through host memory");
+    }
+    Ok(rows)
 }
 
 fn internal(e: impl std::fmt::Display) -> ItemFailure {
@@ -45,8 +69,10 @@ impl Worker {
             .await
             .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
         let arena = ArenaView::open(&info)?;
+        let rows = map_rows(&arena, tower.device()).map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
         Ok(Worker {
             tower,
+            rows,
             arena,
             cache,
             shared,
@@ -79,7 +105,9 @@ impl Worker {
         if info.instance != instance {
             return Err(internal("the embed cache restarted while the request was in flight; retry it"));
         }
-        self.arena = ArenaView::open(&info).map_err(internal)?;
+        let arena = ArenaView::open(&info).map_err(internal)?;
+        self.rows = map_rows(&arena, self.tower.device()).map_err(internal)?;
+        self.arena = arena;
         Ok(())
     }
 
@@ -178,14 +206,14 @@ impl Worker {
         let rows = self.tower.run(inputs).map_err(internal)?;
         let width = self.arena.row_len();
         for (item, rows) in items.iter().zip(rows) {
-            if rows.len() != item.token_num as usize * width {
+            if rows.dims() != [item.token_num as usize, width] {
                 return Err(internal(format!(
-                    "the tower made {} values for an item of {} tokens of {width}",
-                    rows.len(),
+                    "the tower made rows {:?} for an item of {} tokens of {width}",
+                    rows.dims(),
                     item.token_num
                 )));
             }
-            self.arena.write_rows(item.start_index, &rows).map_err(internal)?;
+            self.rows.write(item.start_index as usize, &rows).map_err(internal)?;
         }
         Ok(())
     }

@@ -23,6 +23,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
 use candle_core::{D, Tensor};
+use mmserve_models::text_source;
 use mmserve_models::{Llama, PagedKv, PagedSeq};
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
@@ -30,7 +31,7 @@ use mmserve_text::{IncrementalDecoder, TextTokenizer};
 use mmserve_embed_cache::ArenaView;
 
 use crate::admission::{Admission, Need, OutputLengths};
-use crate::inputs::embed_prompt;
+use crate::inputs::{ModelArena, prompt_sources};
 use crate::kv::{BlockCopy, BlockManager, KvError, SeqId};
 use crate::outbox::Outbox;
 use crate::sampler::{History, Next, Rng, adjust, argmax_decides, logprobs, sample};
@@ -94,7 +95,7 @@ const BUSY_RATIO: f64 = 0.85;
 pub struct Batcher {
     pub model: Llama,
     pub tokenizer: TextTokenizer,
-    pub arena: ArenaView,
+    pub arena: ModelArena,
     pub outbox: Arc<Outbox>,
     pub sched: Scheduler,
     pub counts: Arc<crate::service::Counts>,
@@ -238,7 +239,7 @@ impl Batcher {
             Command::Submit(choices) => {
                 for req in choices {
                     // Submitted against arenas that a Remap has since replaced: cannot run.
-                    if !req.items.is_empty() && req.cache_instance != self.arena.info.instance {
+                    if !req.items.is_empty() && req.cache_instance != self.arena.view.info.instance {
                         let reason = FinishReason::Retry("the embed cache restarted; retry the request".into());
                         self.outbox.push(req.client, [finish_event(req.id, reason)]);
                         continue;
@@ -251,9 +252,13 @@ impl Batcher {
                 }
             }
             Command::Remap(view) => {
-                self.arena = *view;
+                match ModelArena::new(*view, self.model.device()) {
+                    Ok(arena) => self.arena = arena,
+                    // Requests for the new arenas then finish with a retry (instance differs).
+                    Err(e) => tracing::error!(error = %e, "mapping the embed cache's new arenas"),
+                }
                 // Requests with prompt rows still to read refer to the old arenas: they cannot run.
-                let instance = self.arena.info.instance;
+                let instance = self.arena.view.info.instance;
                 let stale = |s: &Sequence| {
                     !s.req.items.is_empty() && s.req.cache_instance != instance && s.computed < s.req.prompt_ids.len()
                 };
@@ -531,33 +536,27 @@ impl Batcher {
         done
     }
 
-    /// Input rows of positions `from..to` of `seq` (prompt rows, then output tokens).
-    fn embed_range(&self, seq: &Sequence, from: usize, to: usize) -> Result<Tensor, String> {
+    /// Gather sources of positions `from..to` of `seq` (prompt rows, then output tokens).
+    fn sources(&self, seq: &Sequence, from: usize, to: usize, out: &mut Vec<i64>) -> Result<(), String> {
         let plen = seq.req.prompt_ids.len();
-        let mut parts = Vec::new();
         if from < plen {
-            parts.push(embed_prompt(
-                &self.model,
-                &self.arena,
-                &seq.req.prompt_ids[from..to.min(plen)],
-                &seq.req.items,
-            )?);
+            let vocab = self.model.config().vocab_size;
+            prompt_sources(&seq.req.prompt_ids[from..to.min(plen)], vocab, &seq.req.items, out)?;
         }
         if to > plen {
-            let ids = &seq.output[from.max(plen) - plen..to - plen];
-            parts.push(self.model.embed_tokens(ids).map_err(|e| e.to_string())?);
+            out.extend(seq.output[from.max(plen) - plen..to - plen].iter().map(|&t| text_source(t)));
         }
-        Tensor::cat(&parts, 0).map_err(|e| e.to_string())
+        Ok(())
     }
 
     /// What each planned sequence samples from, one each: the logits of its last
     /// computed position, or only their argmax where that decides ([`argmax_decides`]).
     fn forward(&mut self, running: &[Sequence], plan: &[Planned]) -> Result<Vec<Next>, String> {
-        let mut embeds = Vec::with_capacity(plan.len());
+        let mut sources = Vec::with_capacity(plan.iter().map(|p| p.n).sum());
         let mut tables = Vec::with_capacity(plan.len());
         for p in plan {
             let seq = &running[p.index];
-            embeds.push(self.embed_range(seq, seq.computed, seq.computed + p.n)?);
+            self.sources(seq, seq.computed, seq.computed + p.n, &mut sources)?;
             let id = seq.kv.ok_or("a planned sequence holds no blocks")?;
             tables.push(self.sched.blocks.block_table(id).map_err(|e| e.to_string())?.to_vec());
         }
@@ -569,7 +568,7 @@ impl Batcher {
             .zip(&tables)
             .map(|(p, t)| PagedSeq { start: running[p.index].computed, new_tokens: p.n, block_table: t })
             .collect();
-        let input = Tensor::cat(&embeds, 0).map_err(|e| e.to_string())?;
+        let input = self.arena.rows.gather(self.model.embed_table(), &sources).map_err(|e| e.to_string())?;
         let logits = self.model.forward_paged(&input, &seqs, &mut self.sched.kv, false).map_err(|e| e.to_string())?;
         let greedy: Vec<bool> = plan
             .iter()

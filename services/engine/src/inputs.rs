@@ -1,10 +1,12 @@
-//! Input embeddings of a prompt: text rows from the embedding table, item rows from
-//! the arena, found by virtual token id (`arena[start_index + (id - token_id)]`).
+//! Where a step's input rows come from: text rows of the embedding table, item rows of
+//! the arena found by virtual token id (`arena[start_index + (id - token_id)]`). One
+//! gather builds the whole step's input (`kernels/merge.cu` on the GPU, reading the
+//! arena in place).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device};
 use mmserve_embed_cache::ArenaView;
-use mmserve_models::Llama;
-use mmserve_protocol::{EngineError, GenerateRequest, ItemSpan};
+use mmserve_models::{ArenaRows, slot_source, text_source};
+use mmserve_protocol::{ArenaDtype, EngineError, GenerateRequest, ItemSpan};
 
 /// Where one prompt position's row comes from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -48,37 +50,38 @@ fn source(id: u64, vocab: usize, items: &[ItemSpan]) -> Result<Source, EngineErr
         .ok_or_else(|| EngineError::Invalid(format!("token id {id} is neither text nor inside a media item")))
 }
 
-/// Embeddings [ids.len(), hidden] for prompt ids (validated by [`validate`]).
-pub fn embed_prompt(model: &Llama, arena: &ArenaView, ids: &[u64], items: &[ItemSpan]) -> Result<Tensor, String> {
-    let vocab = model.config().vocab_size;
-    let sources: Vec<Source> =
-        ids.iter().map(|&id| source(id, vocab, items).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
-    let mut parts = Vec::new();
-    let mut i = 0;
-    // Consecutive runs of one kind become one tensor each.
-    while i < sources.len() {
-        let text = matches!(sources[i], Source::Text(_));
-        let mut j = i;
-        while j < sources.len() && matches!(sources[j], Source::Text(_)) == text {
-            j += 1;
-        }
-        let part = if text {
-            let run: Vec<u32> = sources[i..j].iter().map(|s| if let Source::Text(t) = s { *t } else { 0 }).collect();
-            model.embed_tokens(&run).map_err(|e| e.to_string())?
-        } else {
-            let width = arena.row_len();
-            let mut rows = vec![0f32; (j - i) * width];
-            for (k, s) in sources[i..j].iter().enumerate() {
-                let Source::Slot(slot) = *s else { unreachable!("run of slots") };
-                arena.read_rows(slot, &mut rows[k * width..(k + 1) * width]).map_err(|e| e.to_string())?;
-            }
-            Tensor::from_vec(rows, (j - i, width), &Device::Cpu)
-                .and_then(|t| t.to_dtype(model.dtype()))
-                .and_then(|t| t.to_device(model.device()))
-                .map_err(|e| e.to_string())?
-        };
-        parts.push(part);
-        i = j;
+/// Gather sources ([`mmserve_models::ArenaRows::gather`]) of prompt ids (validated by
+/// [`validate`]): text rows, or item rows found by virtual token id.
+pub fn prompt_sources(ids: &[u64], vocab: usize, items: &[ItemSpan], out: &mut Vec<i64>) -> Result<(), String> {
+    for &id in ids {
+        out.push(match source(id, vocab, items).map_err(|e| e.to_string())? {
+            Source::Text(t) => text_source(t),
+            Source::Slot(slot) => slot_source(slot),
+        });
     }
-    Tensor::cat(&parts, 0).map_err(|e| e.to_string())
+    Ok(())
+}
+
+/// The embed cache's arenas as the model reads them. `rows` is declared first so that
+/// it drops (ending the device's registration) before `view` unmaps the memory.
+pub struct ModelArena {
+    pub rows: ArenaRows,
+    pub view: ArenaView,
+}
+
+impl ModelArena {
+    pub fn new(view: ArenaView, device: &Device) -> Result<Self, String> {
+        let r = view.embed_rows();
+        let dtype = match r.dtype {
+            ArenaDtype::F32 => DType::F32,
+            ArenaDtype::Bf16 => DType::BF16,
+            ArenaDtype::F16 => DType::F16,
+        };
+        // SAFETY: the region is `view`'s mapping, which outlives `rows` (field order).
+        let rows = unsafe { ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, device) }.map_err(|e| e.to_string())?;
+        if let Some(why) = rows.mapping_error() {
+            tracing::warn!(why, "the arena is not mapped for the device; item rows are staged through host memory");
+        }
+        Ok(ModelArena { rows, view })
+    }
 }

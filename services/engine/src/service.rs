@@ -116,7 +116,7 @@ impl EngineService {
         let batcher = Batcher {
             model,
             tokenizer,
-            arena: view,
+            arena: crate::inputs::ModelArena::new(view, &placement.device).map_err(EngineServiceError::Cache)?,
             outbox: outbox.clone(),
             sched: Scheduler {
                 kv: paged,

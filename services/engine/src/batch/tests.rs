@@ -71,7 +71,7 @@ impl Harness {
         let b = Batcher {
             model,
             tokenizer,
-            arena,
+            arena: crate::inputs::ModelArena::new(arena, &Device::Cpu).expect("arena"),
             outbox: Arc::new(Outbox::default()),
             sched: Scheduler {
                 kv,
