@@ -32,7 +32,7 @@ pub struct EngineBench {
     /// Image for the time-to-first-token runs (default: the model directory's input.png).
     #[arg(long)]
     pub image: Option<PathBuf>,
-    /// Repeats of the image prompt.
+    /// Repeats of the image prompt (0: skip the time-to-first-token runs).
     #[arg(long, default_value_t = 20)]
     pub repeats: usize,
     /// Concurrent image requests of the burst run, each with its own generated image
@@ -42,6 +42,12 @@ pub struct EngineBench {
     /// Side of the burst's generated images in pixels.
     #[arg(long, default_value_t = 336)]
     pub image_size: u32,
+    /// Sampling temperature of the throughput and burst requests (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus mass of the throughput and burst requests (with `--temperature`).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// More flags for `mmserve serve` (e.g. `--serve-arg=--block-size=32`).
     #[arg(long = "serve-arg", allow_hyphen_values = true)]
     pub serve_args: Vec<String>,
@@ -154,12 +160,13 @@ struct Counters {
     prefix_hits: f64,
 }
 
-fn text_body(model: &str, content: &str, max_tokens: u32) -> Value {
+fn text_body(model: &str, content: &str, max_tokens: u32, (temperature, top_p): (f32, f32)) -> Value {
     json!({
         "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
+        "top_p": top_p,
         "ignore_eos": true,
     })
 }
@@ -182,7 +189,7 @@ fn prompt_text(i: usize, f: Filler) -> String {
 }
 
 async fn prompt_len(client: &Client, model: &str, f: Filler) -> anyhow::Result<u64> {
-    let v = client.chat(&text_body(model, &prompt_text(0, f), 1)).await?;
+    let v = client.chat(&text_body(model, &prompt_text(0, f), 1, (0.0, 1.0))).await?;
     v["usage"]["prompt_tokens"].as_u64().context("usage.prompt_tokens")
 }
 
@@ -241,7 +248,8 @@ async fn image_burst(client: &Client, name: &str, b: &EngineBench, filler: Fille
                     {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}},
                     {"type": "text", "text": prompt_text(1_000_000 + i, filler)}
                 ]}],
-                "max_tokens": b.output_tokens, "temperature": 0, "ignore_eos": true, "stream": true,
+                "max_tokens": b.output_tokens, "temperature": b.temperature, "top_p": b.top_p,
+                "ignore_eos": true, "stream": true,
                 "return_token_ids": true, "stream_options": {"include_usage": true},
             }))
         })
@@ -316,7 +324,8 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
             async move {
                 let mut tokens = 0u64;
                 for r in 0..b.rounds {
-                    let body = text_body(name, &prompt_text(first + r, filler), b.output_tokens);
+                    let body =
+                        text_body(name, &prompt_text(first + r, filler), b.output_tokens, (b.temperature, b.top_p));
                     let v = client.chat(&body).await?;
                     tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                 }
@@ -351,6 +360,10 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
         image_burst(&client, &name, &b, filler).await?;
     }
 
+    if b.repeats == 0 {
+        server.stop().await;
+        return Ok(());
+    }
     // Time to first token for one image prompt seen again and again.
     let image = b.image.clone().unwrap_or_else(|| b.model.join("input.png"));
     let png = std::fs::read(&image).with_context(|| format!("reading {}", image.display()))?;

@@ -14,6 +14,8 @@ timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dt
   --batches 1,8 --prompt 32 --output 8 --prefill 256 --images 1,4 --repeats 3
 timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dtype bfloat16 --parity \
   --batches 1 --prompt 32 --output 8 --prefill 0 --images 1 --repeats 3
+echo "== seeded sampling: device draws (GPU) against the host sampler (CPU), fixture in f32"
+timeout 200 python3 benches/gpu/sampling_check.py $bin
 echo "== transformers' own bf16 error on the fixture (the floor for the bf16 line above)"
 timeout 200 python3 benches/gpu/hf_bf16_error.py 2>/dev/null | tail -1
 echo "== llava-1.5-7b shapes, dummy bf16 weights"
@@ -28,3 +30,9 @@ timeout 560 $bin bench engine --model /tmp/llava-1.5-7b-stand-in --clients 1,64 
   --serve-arg=--load-format=dummy --serve-arg=--device=cuda --serve-arg=--dtype=bfloat16 \
   --serve-arg=--kv-cache-memory=48GiB --serve-arg=--max-running-requests=64 \
   --serve-arg=--chunked-prefill-size=8192 | tee "$OUT/mmserve_e2e.txt"
+echo "== the same, text only, sampled (temperature 0.8, top-p 0.95: drawn on the device)"
+timeout 300 $bin bench engine --model /tmp/llava-1.5-7b-stand-in --clients 1,64 --rounds 1 \
+  --prompt-tokens 512 --output-tokens 128 --repeats 0 --temperature 0.8 --top-p 0.95 \
+  --serve-arg=--load-format=dummy --serve-arg=--device=cuda --serve-arg=--dtype=bfloat16 \
+  --serve-arg=--kv-cache-memory=48GiB --serve-arg=--max-running-requests=64 \
+  --serve-arg=--chunked-prefill-size=8192 | tee "$OUT/mmserve_e2e_sampled.txt"

@@ -317,14 +317,16 @@ mod cuda {
         };
         let stream = storage.device().cuda_stream();
         let offset = layout.start_offset();
-        let result: candle_core::Result<()> = by_float!(rows.dtype(), "arena write", |T, _S| {
-            let src = storage.as_cuda_slice::<T>()?.slice(offset..offset + dst.len() / std::mem::size_of::<T>());
-            // SAFETY: `dst` is pinned host memory of exactly the slice's bytes; every
-            // element of T is a plain value, so writing its bytes is sound.
-            let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), src.len()) };
-            stream.memcpy_dtoh(&src, dst).w()
-        });
-        result?;
+        let mut copy = || -> candle_core::Result<()> {
+            by_float!(rows.dtype(), "arena write", |T, _S| {
+                let src = storage.as_cuda_slice::<T>()?.slice(offset..offset + dst.len() / std::mem::size_of::<T>());
+                // SAFETY: `dst` is pinned host memory of exactly the slice's bytes; every
+                // element of T is a plain value, so writing its bytes is sound.
+                let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), src.len()) };
+                stream.memcpy_dtoh(&src, dst).w()
+            })
+        };
+        copy()?;
         stream.synchronize().w()?;
         Ok(())
     }

@@ -25,6 +25,7 @@ mod load;
 mod paged;
 mod paged_attention;
 mod qwen2_audio;
+mod sampling;
 mod weights;
 
 pub use activation::Activation;
@@ -41,4 +42,5 @@ pub use load::{LoadFormat, Placement, PlacementArgs, default_device_name, parse_
 pub use paged::{PagedKv, PagedSeq};
 pub use paged_attention::self_test as paged_attention_self_test;
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
+pub use sampling::{SampleSettings, sample_rows, self_test as sampling_self_test};
 pub use weights::{Naming, Weights, parse_dtype};

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{D, Tensor};
 use mmserve_models::text_source;
-use mmserve_models::{Llama, PagedKv, PagedSeq};
+use mmserve_models::{Llama, ModelError, PagedKv, PagedSeq, SampleSettings, sample_rows};
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
@@ -34,7 +34,7 @@ use crate::admission::{Admission, Need, OutputLengths};
 use crate::inputs::{ModelArena, prompt_sources};
 use crate::kv::{BlockCopy, BlockManager, KvError, SeqId};
 use crate::outbox::Outbox;
-use crate::sampler::{History, Next, Rng, adjust, argmax_decides, logprobs, sample};
+use crate::sampler::{History, Next, Rng, adjust, argmax_decides, device_samples, device_settings, logprobs, sample};
 use crate::stops::StopMatcher;
 
 pub enum Command {
@@ -495,6 +495,10 @@ impl Batcher {
         }
         let (token, lps) = match next {
             Next::Greedy(token) => (token, None),
+            Next::Sampled(token) => {
+                seq.rng.next_f64(); // the draw the device used
+                (token, None)
+            }
             Next::Logits(mut row) => {
                 let raw = p.logprobs.map(|_| row.clone());
                 adjust(&mut row, p, &seq.history, &stop_ids);
@@ -570,35 +574,75 @@ impl Batcher {
             .collect();
         let input = self.arena.rows.gather(self.model.embed_table(), &sources).map_err(|e| e.to_string())?;
         let logits = self.model.forward_paged(&input, &seqs, &mut self.sched.kv, false).map_err(|e| e.to_string())?;
-        let greedy: Vec<bool> = plan
+        let on_gpu = self.model.device().is_cuda();
+        let picks: Vec<Pick> = plan
             .iter()
-            .map(|p| &running[p.index])
-            .map(|s| {
-                argmax_decides(&s.req.params, &s.history)
-                    && s.followers.iter().all(|f| argmax_decides(&f.req.params, &f.history))
+            .map(|p| {
+                let s = &running[p.index];
+                let (params, history) = (&s.req.params, &s.history);
+                // A prefill chunk short of the prompt's end emits nothing: the cheapest pick.
+                let short = s.computed + p.n < s.len();
+                if short
+                    || (argmax_decides(params, history)
+                        && s.followers.iter().all(|f| argmax_decides(&f.req.params, &f.history)))
+                {
+                    Pick::Argmax
+                } else if on_gpu && s.followers.is_empty() && device_samples(params, history) {
+                    Pick::Draw(device_settings(params, &s.rng))
+                } else {
+                    Pick::Host
+                }
             })
             .collect();
-        next_tokens(&logits, &greedy).map_err(|e| e.to_string())
+        next_tokens(&logits, &picks).map_err(|e| e.to_string())
     }
 }
 
-/// Each row's [`Next`]: the argmax where `greedy` says it decides (one small copy of
-/// ids from the device), the whole row otherwise (copied only for those rows).
-fn next_tokens(logits: &Tensor, greedy: &[bool]) -> candle_core::Result<Vec<Next>> {
-    let ids: Vec<u32> = if greedy.iter().any(|&g| g) { logits.argmax(D::Minus1)?.to_vec1()? } else { Vec::new() };
-    let full: Vec<u32> = (0..greedy.len() as u32).filter(|&i| !greedy[i as usize]).collect();
-    let mut rows = if full.is_empty() {
+/// Where a planned row's next token is chosen.
+enum Pick {
+    /// The argmax, on the logits' device.
+    Argmax,
+    /// A draw under these settings, on the logits' device.
+    Draw(SampleSettings),
+    /// On the host, from the whole row (penalties, log-probabilities, siblings…).
+    Host,
+}
+
+/// Each row's [`Next`] by its [`Pick`]: only ids cross to the host for device picks,
+/// whole rows only for the host's.
+fn next_tokens(logits: &Tensor, picks: &[Pick]) -> Result<Vec<Next>, ModelError> {
+    let rows_of = |want: fn(&Pick) -> bool| -> Vec<u32> {
+        (0..picks.len() as u32).filter(|&i| want(&picks[i as usize])).collect()
+    };
+    let select = |rows: &[u32]| -> candle_core::Result<Tensor> {
+        if rows.len() == picks.len() {
+            Ok(logits.clone())
+        } else {
+            logits.index_select(&Tensor::new(rows, logits.device())?, 0)
+        }
+    };
+    let argmax_rows = rows_of(|p| matches!(p, Pick::Argmax));
+    let draw_rows = rows_of(|p| matches!(p, Pick::Draw(_)));
+    let host_rows = rows_of(|p| matches!(p, Pick::Host));
+    let mut argmax =
+        if argmax_rows.is_empty() { Vec::new() } else { select(&argmax_rows)?.argmax(D::Minus1)?.to_vec1::<u32>()? }
+            .into_iter();
+    let mut drawn = if draw_rows.is_empty() {
         Vec::new()
-    } else if full.len() == greedy.len() {
-        logits.to_vec2::<f32>()?
     } else {
-        logits.index_select(&Tensor::new(full.as_slice(), logits.device())?, 0)?.to_vec2::<f32>()?
+        let settings: Vec<SampleSettings> =
+            picks.iter().filter_map(|p| if let Pick::Draw(s) = p { Some(*s) } else { None }).collect();
+        sample_rows(&select(&draw_rows)?, &settings)?
     }
     .into_iter();
-    Ok(greedy
+    let mut host = if host_rows.is_empty() { Vec::new() } else { select(&host_rows)?.to_vec2::<f32>()? }.into_iter();
+    Ok(picks
         .iter()
-        .enumerate()
-        .map(|(i, &g)| if g { Next::Greedy(ids[i]) } else { Next::Logits(rows.next().unwrap_or_default()) })
+        .map(|p| match p {
+            Pick::Argmax => Next::Greedy(argmax.next().unwrap_or_default()),
+            Pick::Draw(_) => Next::Sampled(drawn.next().unwrap_or_default()),
+            Pick::Host => Next::Logits(host.next().unwrap_or_default()),
+        })
         .collect())
 }
 

@@ -57,18 +57,43 @@ pub enum Next {
     Logits(Vec<f32>),
     /// The greedy choice, made where the logits are: only the id crossed to the host.
     Greedy(u32),
+    /// A draw made where the logits are ([`device_samples`]), with the value that the
+    /// request's generator draws next: the caller advances the generator past it.
+    Sampled(u32),
 }
 
 /// Whether the argmax alone decides the next token under `params` (greedy, no
 /// penalties, no log-probabilities, `min_tokens` met), so that the step can pick it on
 /// the device and leave the logits there.
 pub fn argmax_decides(params: &SamplingParams, history: &History) -> bool {
-    params.temperature < GREEDY_BELOW
-        && params.logprobs.is_none()
+    params.temperature < GREEDY_BELOW && logits_suffice(params, history)
+}
+
+/// Whether the device may draw the next token (`mmserve_models::sample_rows`, the
+/// same rules as [`sample`]): sampled, and neither penalties nor log-probabilities nor
+/// `min_tokens` need the logits on the host.
+pub fn device_samples(params: &SamplingParams, history: &History) -> bool {
+    params.temperature >= GREEDY_BELOW && logits_suffice(params, history)
+}
+
+/// The model's logits alone decide: nothing to adjust or report on the host.
+fn logits_suffice(params: &SamplingParams, history: &History) -> bool {
+    params.logprobs.is_none()
         && params.repetition_penalty == 1.0
         && params.presence_penalty == 0.0
         && params.frequency_penalty == 0.0
         && history.generated >= params.min_tokens
+}
+
+/// The settings [`sample`] applies, with the generator's next draw (left unconsumed).
+pub fn device_settings(params: &SamplingParams, rng: &Rng) -> mmserve_models::SampleSettings {
+    mmserve_models::SampleSettings {
+        temperature: params.temperature,
+        top_k: params.top_k,
+        min_p: params.min_p,
+        top_p: params.top_p,
+        u: rng.clone().next_f64(),
+    }
 }
 
 /// Applies penalties and `min_tokens` to `logits` in place.
@@ -209,6 +234,31 @@ mod tests {
         let d = draws(&logits, &params(|p| p.min_p = 0.5), 1, 300);
         assert!(d.iter().all(|&t| t < 2) && d.contains(&0) && d.contains(&1));
         assert_eq!(draws(&logits, &params(|p| p.top_k = 1), 1, 10), vec![0; 10]);
+    }
+
+    #[test]
+    fn the_device_sampler_draws_what_the_host_draws() {
+        // The device's rules (here its CPU twin) against `sample`, seed by seed.
+        let mut draws = Rng::new(11);
+        let mut same = 0;
+        let cases = 400;
+        for case in 0..cases {
+            let logits: Vec<f32> = (0..500).map(|_| (draws.next_f64() * 12.0 - 6.0) as f32).collect();
+            let p = params(|p| {
+                p.temperature = [0.5, 1.0, 1.5][case % 3];
+                p.top_k = [0, 40, 1, 0][case % 4];
+                p.top_p = [1.0, 0.9, 0.5][case % 3];
+                p.min_p = [0.0, 0.0, 0.05, 0.0, 0.0][case % 5];
+            });
+            let rng = Rng::new(case as u64);
+            let settings = device_settings(&p, &rng);
+            let t = candle_core::Tensor::from_slice(&logits, (1, 500), &candle_core::Device::Cpu).unwrap();
+            let device = mmserve_models::sample_rows(&t, &[settings]).unwrap()[0];
+            same += usize::from(device == sample(&logits, &p, &mut rng.clone()));
+        }
+        // Integer masses (2^-40) against f64 sums: a draw can differ only within
+        // rounding of a boundary, which these seeds never hit.
+        assert_eq!(same, cases);
     }
 
     #[test]

@@ -187,13 +187,13 @@ fn randomised_scheduling_loses_nothing_and_frees_every_block() {
                 let max_tokens = 1 + (rng.next_u64() % 24) as u32;
                 let params = SamplingParams {
                     max_tokens,
-                    temperature: if rng.next_u64() % 2 == 0 { 0.0 } else { 0.9 },
+                    temperature: if rng.next_u64().is_multiple_of(2) { 0.0 } else { 0.9 },
                     seed: Some(rng.next_u64()),
-                    ignore_eos: rng.next_u64() % 2 == 0,
+                    ignore_eos: rng.next_u64().is_multiple_of(2),
                     ..Default::default()
                 };
                 let prompt = random_prompt(&mut rng, len);
-                let choices = 1 + u64::from(rng.next_u64() % 4 == 0) * 2;
+                let choices = 1 + u64::from(rng.next_u64().is_multiple_of(4)) * 2;
                 let leader = next_id;
                 for c in 0..choices {
                     let mut req = request(next_id, prompt.clone(), params.clone());
@@ -203,7 +203,7 @@ fn randomised_scheduling_loses_nothing_and_frees_every_block() {
                     next_id += 1;
                 }
             }
-            if rng.next_u64() % 4 == 0 && next_id > 1 {
+            if rng.next_u64().is_multiple_of(4) && next_id > 1 {
                 let id = 1 + rng.next_u64() % (next_id - 1);
                 aborted.push(id);
                 h.abort(id);
@@ -401,14 +401,17 @@ fn a_seeded_request_samples_the_same_alone_or_among_others() {
 }
 
 #[test]
-fn device_argmax_for_greedy_rows_full_rows_for_the_rest() {
+fn device_picks_send_ids_host_picks_whole_rows() {
+    use super::Pick;
     use crate::sampler::Next;
-    let rows = [[0.0f32, 3.0, 1.0, 3.0], [5.0, -1.0, 0.0, 2.0], [-2.0, -1.0, -3.0, -0.5]];
+    let rows = [[0.0f32, 3.0, 1.0, 3.0], [5.0, -1.0, 0.0, 2.0], [-2.0, -1.0, -3.0, -0.5], [0.0, 0.0, 9.0, 0.0]];
     let logits = candle_core::Tensor::new(&rows, &Device::Cpu).unwrap();
-    let next = super::next_tokens(&logits, &[true, false, true]).unwrap();
+    let draw = mmserve_models::SampleSettings { temperature: 1.0, top_k: 1, min_p: 0.0, top_p: 1.0, u: 0.5 };
+    let next = super::next_tokens(&logits, &[Pick::Argmax, Pick::Host, Pick::Argmax, Pick::Draw(draw)]).unwrap();
     assert!(matches!(next[0], Next::Greedy(1)), "first of tied maxima, as torch.argmax: {:?}", next[0]);
     assert!(matches!(&next[1], Next::Logits(r) if r == &rows[1]), "{:?}", next[1]);
     assert!(matches!(next[2], Next::Greedy(3)), "{:?}", next[2]);
-    let all = super::next_tokens(&logits, &[false; 3]).unwrap();
+    assert!(matches!(next[3], Next::Sampled(2)), "top-1 of its own row: {:?}", next[3]);
+    let all = super::next_tokens(&logits, &[Pick::Host, Pick::Host, Pick::Host, Pick::Host]).unwrap();
     assert!(all.iter().zip(&rows).all(|(n, r)| matches!(n, Next::Logits(l) if l == r)));
 }

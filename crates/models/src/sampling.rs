@@ -1,0 +1,234 @@
+//! Sampling where the logits are (`kernels/sampling.cu`): temperature, top-k, min-p and
+//! top-p, then a draw with the caller's uniform number, one row per block, so that only
+//! token ids cross to the host. It makes the choice of the engine's host sampler, which
+//! sorts the row, without sorting: keys `(weight bits << 32) | !id` order tokens as that
+//! sort does, every filter keeps the keys above a bound, and weights are counted as
+//! integer masses (2⁴⁰ per unit) so that sums do not depend on the order threads add
+//! in. The CPU twin ([`sample_rows`] on the CPU) is the reference the kernel is tested
+//! against; it sorts.
+
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
+
+use crate::ModelError;
+
+/// One row's settings, as the host sampler applies them, with its uniform draw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleSettings {
+    pub temperature: f32,
+    /// 0: every token.
+    pub top_k: u32,
+    pub min_p: f32,
+    pub top_p: f32,
+    /// Uniform in [0, 1): the request's generator's next draw.
+    pub u: f64,
+}
+
+impl SampleSettings {
+    /// The kernel's parameters: 1/temperature, top-k, min-p (clamped to 0..=1), top-p, u.
+    fn params(&self) -> [f64; 5] {
+        [
+            1.0 / f64::from(self.temperature),
+            f64::from(self.top_k),
+            f64::from(self.min_p.clamp(0.0, 1.0)),
+            f64::from(self.top_p),
+            self.u,
+        ]
+    }
+}
+
+/// The token each row of `logits` [rows, vocab] samples under its settings.
+pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>, ModelError> {
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let (n, _) = logits.dims2()?;
+    if n != rows.len() {
+        return Err(ModelError::InvalidInput(format!("{n} rows of logits for {} settings", rows.len())));
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let params: Vec<f64> = rows.iter().flat_map(SampleSettings::params).collect();
+    Ok(logits.apply_op1_no_bwd(&SampleRows { params })?.to_vec1::<u32>()?)
+}
+
+struct SampleRows {
+    params: Vec<f64>,
+}
+
+const SCALE: f64 = (1u64 << 40) as f64;
+
+fn weight(l: f32, m: f32, inv_t: f64) -> f32 {
+    let w = (f64::from(l - m) * inv_t).exp() as f32;
+    if w > 0.0 { w } else { 0.0 }
+}
+
+fn key(w: f32, i: usize) -> u64 {
+    (u64::from(w.to_bits()) << 32) | u64::from(u32::MAX - i as u32)
+}
+
+fn mass(w: f32) -> u64 {
+    (f64::from(w) * SCALE) as u64
+}
+
+/// The CPU twin of one block of `sample_rows`: the same integer rules, over a sort.
+fn sample_ref(l: &[f32], p: &[f64]) -> u32 {
+    let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !m.is_finite() {
+        return l.iter().position(|&x| x == m).unwrap_or(l.len() - 1) as u32;
+    }
+    let w: Vec<f32> = l.iter().map(|&x| weight(x, m, p[0])).collect();
+    let mut keys: Vec<u64> = w.iter().enumerate().map(|(i, &w)| key(w, i)).filter(|&k| k >= 1 << 32).collect();
+    keys.sort_unstable_by(|a, b| b.cmp(a));
+    let weight_of = |k: u64| f32::from_bits((k >> 32) as u32);
+    // The first key (from the top, at or above `bound`) where the mass reaches `target`.
+    let crossing = |bound: u64, target: u64| {
+        let mut acc = 0;
+        for &k in keys.iter().take_while(|&&k| k >= bound) {
+            acc += mass(weight_of(k));
+            if acc >= target {
+                return k;
+            }
+        }
+        bound
+    };
+    let total = |bound: u64| keys.iter().take_while(|&&k| k >= bound).map(|&k| mass(weight_of(k))).sum::<u64>();
+    let mut bound = 1u64 << 32;
+    let top_k = p[1] as usize;
+    if top_k > 0 && top_k < keys.len() {
+        bound = keys[top_k - 1];
+    }
+    if p[2] > 0.0 {
+        bound = bound.max(u64::from((p[2] as f32).to_bits()) << 32);
+    }
+    if p[3] < 1.0 {
+        let q = total(bound);
+        let t = (p[3] * q as f64).ceil();
+        let target = if t < 1.0 {
+            1
+        } else if t > q as f64 {
+            q
+        } else {
+            t as u64
+        };
+        bound = crossing(bound, target);
+    }
+    let q = total(bound);
+    let draw = ((p[4] * q as f64) as u64).min(q - 1);
+    let k = crossing(bound, draw + 1);
+    u32::MAX - (k & 0xFFFF_FFFF) as u32
+}
+
+impl CustomOp1 for SampleRows {
+    fn name(&self) -> &'static str {
+        "sample_rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, n) = l.shape().dims2()?;
+        let CpuStorage::F32(x) = s else { candle_core::bail!("sample_rows: logits must be f32") };
+        let x = &x[l.start_offset()..];
+        let out = (0..rows).map(|r| sample_ref(&x[r * n..(r + 1) * n], &self.params[5 * r..5 * r + 5])).collect();
+        Ok((CpuStorage::U32(out), Shape::from(rows)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+
+        let (rows, n) = l.shape().dims2()?;
+        let dev = s.device().clone();
+        let x = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        let params = dev.clone_htod(&self.params)?;
+        // SAFETY: the kernel writes every row's weights before reading them.
+        let mut weights = unsafe { dev.alloc::<f32>(rows * n)? };
+        // SAFETY: the kernel writes one id per row.
+        let mut out = unsafe { dev.alloc::<u32>(rows)? };
+        let func = dev.get_or_load_custom_func("sample_rows", "mmserve_sampling", PTX)?;
+        let mut b = func.builder();
+        let n_arg = n as i32;
+        b.arg(&x).arg(&n_arg).arg(&params).arg(&mut weights).arg(&mut out);
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: block r reads row r of x (n values) and its 5 parameters, and writes row
+        // r of the weights and out[r].
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
+
+/// Runs the kernel on `device` against its CPU twin: random rows (odd widths, ties,
+/// masked tokens) under every filter and extreme draws. A line per row that differs.
+pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+    let settings = |temperature, top_k, min_p, top_p, u| SampleSettings { temperature, top_k, min_p, top_p, u };
+    let cases = [
+        settings(1.0, 0, 0.0, 1.0, 0.5),
+        settings(0.7, 50, 0.0, 0.9, 0.3),
+        settings(1.3, 0, 0.05, 0.95, 0.999_999),
+        settings(1.0, 1, 0.0, 1.0, 0.7),
+        settings(0.8, 7, 0.0, 1.0, 0.0),
+        settings(2.0, 0, 0.0, 0.5, 0.6),
+        settings(1.0, 3, 0.2, 0.8, 0.25),
+    ];
+    let mut bad = Vec::new();
+    for n in [1031usize, 32064] {
+        for (variant, what) in ["plain", "ties", "masked"].iter().enumerate() {
+            let rows: Vec<SampleSettings> = (0..4)
+                .flat_map(|r| cases.iter().map(move |c| SampleSettings { u: (c.u + 0.13 * r as f64) % 1.0, ..*c }))
+                .collect();
+            let mut x: Vec<f32> = Tensor::randn(0f32, 3.0, (rows.len(), n), &Device::Cpu)?.flatten_all()?.to_vec1()?;
+            match variant {
+                1 => x.iter_mut().for_each(|v| *v = (*v * 2.0).round() / 2.0),
+                2 => x.iter_mut().enumerate().filter(|(i, _)| i % 3 != 0).for_each(|(_, v)| *v = f32::NEG_INFINITY),
+                _ => {}
+            }
+            let cpu = Tensor::from_vec(x, (rows.len(), n), &Device::Cpu)?;
+            let want = sample_rows(&cpu, &rows)?;
+            let got = sample_rows(&cpu.to_device(device)?, &rows)?;
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                if g != w {
+                    bad.push(format!("sample_rows {what} n={n} row {r} {:?}: {g} against {w}", rows[r]));
+                }
+            }
+        }
+    }
+    Ok(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(logits: &[f32], s: SampleSettings) -> u32 {
+        let t = Tensor::from_slice(logits, (1, logits.len()), &Device::Cpu).unwrap();
+        sample_rows(&t, &[s]).unwrap()[0]
+    }
+
+    #[test]
+    fn filters_keep_what_the_settings_say() {
+        let s = SampleSettings { temperature: 1.0, top_k: 0, min_p: 0.0, top_p: 1.0, u: 0.0 };
+        let logits = [0.0, 3.0, 3.0, 1.0, f32::NEG_INFINITY];
+        // u = 0 takes the first in sorted order: the best, lowest id on a tie.
+        assert_eq!(one(&logits, s), 1);
+        assert_eq!(one(&logits, SampleSettings { u: 0.999_999, ..s }), 0, "the last kept is the weakest");
+        assert_eq!(one(&logits, SampleSettings { u: 0.999_999, top_k: 2, ..s }), 2);
+        assert_eq!(one(&logits, SampleSettings { u: 0.999_999, min_p: 0.1, ..s }), 3);
+        assert_eq!(one(&logits, SampleSettings { u: 0.999_999, top_p: 0.5, ..s }), 2);
+        // Masked tokens never come back, whatever the draw.
+        for i in 0..100 {
+            assert_ne!(one(&logits, SampleSettings { u: f64::from(i) / 100.0, ..s }), 4);
+        }
+        assert_eq!(one(&[f32::NEG_INFINITY; 3], s), 0, "nothing finite: the first");
+    }
+
+    #[test]
+    fn self_test_compares_the_cpu_with_itself() {
+        assert!(self_test(&Device::Cpu).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,169 @@
+// Sampling on the device (crates/models/src/sampling.rs): temperature, top-k, min-p and
+// top-p over one row of f32 logits per block, then a draw with the host's uniform `u`.
+// It makes the engine's host sampler's choice (which sorts the row) without sorting:
+// - every token has a unique key, (weight bits << 32) | (~id), which orders tokens as
+//   the host sorts them (weight descending, then id ascending), so each filter keeps
+//   the keys at or above a bound;
+// - weights become integer masses (2^40 per unit), so sums are exact whatever order
+//   the threads add in, and a seeded request draws the same token run after run;
+// - "the key where the cumulative mass (or count) from the top reaches a target" is
+//   a radix select over the 64-bit keys: 8 passes of a 256-bin histogram.
+#include <stdint.h>
+
+#define THREADS 1024
+#define SCALE 1099511627776.0  // 2^40
+
+typedef unsigned long long u64;
+
+// exp in f64, rounded once to f32: the CPU twin computes the same value. NaN is zero
+// (never kept), as the host drops it.
+__device__ __forceinline__ float weight(float l, float m, double inv_t) {
+  const float w = (float)exp((double)(l - m) * inv_t);
+  return w > 0.0f ? w : 0.0f;
+}
+__device__ __forceinline__ u64 key_of(float w, int i) {
+  return ((u64)__float_as_uint(w) << 32) | (u64)(0xFFFFFFFFu - (unsigned)i);
+}
+__device__ __forceinline__ u64 mass_of(float w) { return (u64)((double)w * SCALE); }
+
+__device__ float block_max(float v, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = scratch[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    if (threadIdx.x == 0) scratch[0] = v;
+  }
+  __syncthreads();
+  v = scratch[0];
+  __syncthreads();
+  return v;
+}
+
+__device__ u64 block_sum(u64 v, u64* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = scratch[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    if (threadIdx.x == 0) scratch[0] = v;
+  }
+  __syncthreads();
+  v = scratch[0];
+  __syncthreads();
+  return v;
+}
+
+// A row's weights (written once per launch into scratch; L2-resident after).
+struct Row {
+  const float* w;
+  int n;
+};
+
+// Mass (or count) of the keys at or above `bound`.
+__device__ u64 total(const Row& r, u64 bound, bool count, u64* scratch) {
+  u64 s = 0;
+  for (int i = threadIdx.x; i < r.n; i += THREADS) {
+    const float w = r.w[i];
+    if (key_of(w, i) >= bound) s += count ? 1 : mass_of(w);
+  }
+  return block_sum(s, scratch);
+}
+
+// The key K (at or above `bound`) where the mass (or count) of the keys from the top
+// first reaches `target` (1 <= target <= total): mass(> K) < target <= mass(>= K).
+__device__ u64 crossing(const Row& r, u64 bound, bool count, u64 target, u64* hist, u64* shared) {
+  u64 prefix = 0, above = 0;  // above: the mass of keys above the prefix's range
+  for (int pass = 0; pass < 8; ++pass) {
+    const int shift = 56 - 8 * pass;
+    for (int d = threadIdx.x; d < 256; d += THREADS) hist[d] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < r.n; i += THREADS) {
+      const float w = r.w[i];
+      const u64 k = key_of(w, i);
+      if (k < bound || (pass > 0 && (k >> (shift + 8)) != prefix)) continue;
+      atomicAdd(&hist[(k >> shift) & 255], count ? 1ull : mass_of(w));
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane j holds digits 255 - 8j down to 248 - 8j: a scan from the top digit.
+      const int lane = threadIdx.x;
+      u64 mine = 0;
+      for (int d = 0; d < 8; ++d) mine += hist[255 - 8 * lane - d];
+      u64 incl = mine;
+      for (int o = 1; o < 32; o <<= 1) {
+        u64 v = __shfl_up_sync(0xffffffff, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const u64 excl = incl - mine;
+      const unsigned hit = __ballot_sync(0xffffffff, above + incl >= target);
+      // No lane reaches the target only if it exceeds the total: take the lowest digit.
+      const int first = hit ? __ffs(hit) - 1 : 31;
+      if (lane == first) {
+        u64 acc = above + excl;
+        int digit = 0;
+        for (int d = 0; d < 8; ++d) {
+          digit = 255 - 8 * lane - d;
+          if (acc + hist[digit] >= target) break;
+          acc += hist[digit];
+        }
+        shared[0] = (prefix << 8) | (u64)digit;
+        shared[1] = acc;
+      }
+    }
+    __syncthreads();
+    prefix = shared[0];
+    above = shared[1];
+    __syncthreads();
+  }
+  return prefix;
+}
+
+// params: per row (1/temperature, top_k (0: all), min_p in [0, 1], top_p, u in [0, 1)).
+// weights: scratch of the logits' shape.
+extern "C" __global__ void sample_rows(const float* logits, int n, const double* params, float* weights,
+                                       unsigned* out) {
+  __shared__ float fscratch[32];
+  __shared__ u64 scratch[32];
+  __shared__ u64 hist[256];
+  __shared__ u64 shared[2];
+  const double* p = params + 5 * blockIdx.x;
+  const float* l = logits + (size_t)blockIdx.x * n;
+  float m = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += THREADS) m = fmaxf(m, l[i]);
+  m = block_max(m, fscratch);
+  if (!isfinite(m)) {
+    // No finite best: the host falls back to the first largest logit; so do we.
+    if (threadIdx.x == 0) {
+      int i = 0;
+      while (i < n - 1 && !(l[i] == m)) ++i;
+      out[blockIdx.x] = i;
+    }
+    return;
+  }
+  float* w = weights + (size_t)blockIdx.x * n;
+  for (int i = threadIdx.x; i < n; i += THREADS) w[i] = weight(l[i], m, p[0]);
+  __syncthreads();
+  const Row r = {w, n};
+  // Zero weights (masked logits) are never kept: their keys are below 2^32.
+  u64 bound = 1ull << 32;
+  const u64 top_k = (u64)p[1];
+  if (top_k > 0 && top_k < total(r, bound, true, scratch)) bound = crossing(r, bound, true, top_k, hist, shared);
+  if (p[2] > 0.0) {
+    const u64 floor = (u64)__float_as_uint((float)p[2]) << 32;
+    bound = floor > bound ? floor : bound;
+  }
+  if (p[3] < 1.0) {
+    const u64 q = total(r, bound, false, scratch);
+    double t = ceil(p[3] * (double)q);
+    const u64 target = t < 1.0 ? 1 : (t > (double)q ? q : (u64)t);
+    bound = crossing(r, bound, false, target, hist, shared);
+  }
+  const u64 q = total(r, bound, false, scratch);
+  u64 draw = (u64)(p[4] * (double)q);
+  if (draw >= q) draw = q - 1;
+  const u64 key = crossing(r, bound, false, draw + 1, hist, shared);
+  if (threadIdx.x == 0) out[blockIdx.x] = 0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFull);
+}
