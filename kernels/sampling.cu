@@ -7,7 +7,10 @@
 // - weights become integer masses (2^40 per unit), so sums are exact whatever order
 //   the threads add in, and a seeded request draws the same token run after run;
 // - "the key where the cumulative mass (or count) from the top reaches a target" is
-//   a radix select over the 64-bit keys: 8 passes of a 256-bin histogram.
+//   a radix select over the 64-bit keys: 8 passes of a 256-bin histogram. Lanes of a
+//   warp with the same digit add once (warp-aggregated), into one of 16 copies of the
+//   histogram: the first passes' digits are a float's exponent, the same for most tokens,
+//   and one shared histogram serialised every thread on a few bins.
 #include <stdint.h>
 
 #define THREADS 1024
@@ -72,32 +75,62 @@ __device__ u64 total(const Row& r, u64 bound, bool count, u64* scratch) {
   return block_sum(s, scratch);
 }
 
+// Histogram copies: warps 2c and 2c + 1 share copy c, so few atomics ever collide.
+#define COPIES 16
+
 // The key K (at or above `bound`) where the mass (or count) of the keys from the top
 // first reaches `target` (1 <= target <= total): mass(> K) < target <= mass(>= K).
+// hist: COPIES × 256 bins.
 __device__ u64 crossing(const Row& r, u64 bound, bool count, u64 target, u64* hist, u64* shared) {
+  const int lane = threadIdx.x & 31;
+  u64* mine = hist + 256 * ((threadIdx.x >> 5) % COPIES);
   u64 prefix = 0, above = 0;  // above: the mass of keys above the prefix's range
   for (int pass = 0; pass < 8; ++pass) {
     const int shift = 56 - 8 * pass;
-    for (int d = threadIdx.x; d < 256; d += THREADS) hist[d] = 0;
+    for (int d = threadIdx.x; d < 256 * COPIES; d += THREADS) hist[d] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < r.n; i += THREADS) {
-      const float w = r.w[i];
-      const u64 k = key_of(w, i);
-      if (k < bound || (pass > 0 && (k >> (shift + 8)) != prefix)) continue;
-      atomicAdd(&hist[(k >> shift) & 255], count ? 1ull : mass_of(w));
+    // Every lane runs every round, so the warp's collective ops see the whole warp.
+    for (int base = 0; base < r.n; base += THREADS) {
+      const int i = base + threadIdx.x;
+      bool live = false;
+      unsigned digit = 0;
+      u64 v = 0;
+      if (i < r.n) {
+        const float w = r.w[i];
+        const u64 k = key_of(w, i);
+        if (k >= bound && (pass == 0 || (k >> (shift + 8)) == prefix)) {
+          live = true;
+          digit = (unsigned)(k >> shift) & 255;
+          v = count ? 1 : mass_of(w);
+        }
+      }
+      const unsigned active = __ballot_sync(0xffffffff, live);
+      if (live) {
+        // Lanes with the same digit add once: in two 20-bit halves (a mass is at most
+        // 2^40, so each half's sum over a warp fits in 32 bits).
+        const unsigned group = __match_any_sync(active, digit);
+        const unsigned lo = __reduce_add_sync(group, (unsigned)(v & 0xFFFFF));
+        const unsigned hi = __reduce_add_sync(group, (unsigned)(v >> 20));
+        if (lane == __ffs(group) - 1) atomicAdd(&mine[digit], ((u64)hi << 20) + lo);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 256) {
+      u64 s = 0;
+      for (int c = 0; c < COPIES; ++c) s += hist[256 * c + threadIdx.x];
+      hist[threadIdx.x] = s;  // copy 0 only ever read its own bin above: safe in place
     }
     __syncthreads();
     if (threadIdx.x < 32) {
       // Lane j holds digits 255 - 8j down to 248 - 8j: a scan from the top digit.
-      const int lane = threadIdx.x;
-      u64 mine = 0;
-      for (int d = 0; d < 8; ++d) mine += hist[255 - 8 * lane - d];
-      u64 incl = mine;
+      u64 part = 0;
+      for (int d = 0; d < 8; ++d) part += hist[255 - 8 * lane - d];
+      u64 incl = part;
       for (int o = 1; o < 32; o <<= 1) {
         u64 v = __shfl_up_sync(0xffffffff, incl, o);
         if (lane >= o) incl += v;
       }
-      const u64 excl = incl - mine;
+      const u64 excl = incl - part;
       const unsigned hit = __ballot_sync(0xffffffff, above + incl >= target);
       // No lane reaches the target only if it exceeds the total: take the lowest digit.
       const int first = hit ? __ffs(hit) - 1 : 31;
@@ -127,7 +160,7 @@ extern "C" __global__ void sample_rows(const float* logits, int n, const double*
                                        unsigned* out) {
   __shared__ float fscratch[32];
   __shared__ u64 scratch[32];
-  __shared__ u64 hist[256];
+  __shared__ u64 hist[256 * COPIES];
   __shared__ u64 shared[2];
   const double* p = params + 5 * blockIdx.x;
   const float* l = logits + (size_t)blockIdx.x * n;

@@ -1,6 +1,6 @@
 //! `mmserve bench engine`: the serving engine through a real `mmserve serve` on
 //! loopback. Output tokens per second at several concurrencies (fixed prompt and output
-//! lengths, EOS ignored, greedy), the scheduler's own time per step (from the engine's
+//! lengths, EOS ignored, greedy unless `--temperature`), the scheduler's own time per step (from the engine's
 //! counters in `/metrics`), and time to first token for a repeated image prompt: first
 //! sight, repeats with the prefix cache, and repeats without it (a second server with
 //! `--no-prefix-cache`), so the prefix cache's share of the speed-up is its own line.
@@ -305,8 +305,13 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
     let (filler, prompt_len) = calibrate(&client, &name, b.prompt_tokens).await?;
     if !b.json {
         println!(
-            "engine through mmserve serve ({name}): prompt {prompt_len} tokens, output {} tokens, greedy, EOS ignored",
-            b.output_tokens
+            "engine through mmserve serve ({name}): prompt {prompt_len} tokens, output {} tokens, {}, EOS ignored",
+            b.output_tokens,
+            if b.temperature > 0.0 {
+                format!("sampled (temperature {}, top-p {})", b.temperature, b.top_p)
+            } else {
+                "greedy".to_string()
+            }
         );
         println!(
             "{:>8} {:>9} {:>12} {:>10} {:>14} {:>14} {:>10}",

@@ -39,6 +39,7 @@ for p in ${PROFILES:-prefill vision32 decode64}; do
   case $p in
     prefill) prof prefill --batches 0 --prefill 2048 --images 0 ;;
     vision32) prof vision32 --batches 0 --prefill 0 --images 32 ;;
+    decode1) prof decode1 --batches 1 --prompt 512 --output 16 --prefill 0 --images 0 ;;
     decode64) prof decode64 --batches 64 --prompt 512 --output 4 --prefill 0 --images 0 ;;
   esac
 done
