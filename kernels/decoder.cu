@@ -5,13 +5,19 @@
 //
 // add_rmsnorm: out[0] = x + y (the residual stream, rounded to T); out[1] = RMSNorm of
 //   it: round(round(s · rsqrt(mean(s²) + eps)) · w), as LlamaRMSNorm (f32 statistics, the
-//   normalised row cast back, then the weight). One CTA per row.
+//   normalised row cast back, then the weight). One CTA per row, its elements in registers.
 // silu_mul: gu [rows, 2I] (gate | up, one fused GEMM's output) → round(round(silu(g)) · u).
 // rope_split: qkv [T, (H + 2K)·D] (one fused GEMM's output) → q [T, H, D] and k [T, K, D]
 //   rotated (rotate_half convention, round(round(a·cos) ∓ round(b·sin))), v [T, K, D],
-//   written one after the other into one buffer. One CTA per token.
+//   written one after the other into one buffer. One CTA per token and head.
 
 #include "float.cuh"
+
+// Each thread keeps its ADD_NORM_PER elements in registers: every load of the row is
+// issued before any is waited on (one memory latency per row, not one per element; a
+// batch-1 decode step has one row, so nothing else hides that latency), and the second
+// pass reads no memory. The launch picks blockDim so that PER · blockDim >= h.
+#define ADD_NORM_PER 8
 
 template <typename T>
 __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, const T* __restrict__ w,
@@ -22,12 +28,18 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   const T* yr = y + row * h;
   T* sum = out + row * h;
   T* normed = out + (long)rows * h + row * h;
+  float v[ADD_NORM_PER];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < h; i += blockDim.x) {
-    const T s = from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]));
-    sum[i] = s;
-    const float f = to_f32(s);
-    ss += f * f;
+#pragma unroll
+  for (int k = 0; k < ADD_NORM_PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    v[k] = i < h ? to_f32(from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]))) : 0.f;
+  }
+#pragma unroll
+  for (int k = 0; k < ADD_NORM_PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < h) sum[i] = from_f32<T>(v[k]);
+    ss += v[k] * v[k];
   }
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -40,8 +52,10 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   }
   __syncthreads();
   const float inv = rsqrtf(partial[0] / (float)h + eps);
-  for (int i = threadIdx.x; i < h; i += blockDim.x) {
-    normed[i] = from_f32<T>(r<T>(to_f32(sum[i]) * inv) * to_f32(w[i]));
+#pragma unroll
+  for (int k = 0; k < ADD_NORM_PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < h) normed[i] = from_f32<T>(r<T>(v[k] * inv) * to_f32(w[i]));
   }
 }
 
@@ -57,30 +71,30 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, long row
   }
 }
 
+// One CTA per (token, head) of the H + 2K heads, one thread per rotated pair: a decode
+// step's single token still spreads over H + 2K CTAs.
 template <typename T>
 __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
                            T* __restrict__ out, int tokens, int heads, int kv_heads, int hd) {
-  const int t = blockIdx.x;
+  const int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
   const int half = hd / 2;
-  const int width = (heads + 2 * kv_heads) * hd;
-  const T* row = qkv + (long)t * width;
-  const T* c = cos + (long)t * half;
-  const T* s = sin + (long)t * half;
-  T* q_out = out + (long)t * heads * hd;
-  T* k_out = out + (long)tokens * heads * hd + (long)t * kv_heads * hd;
-  T* v_out = out + (long)tokens * (heads + kv_heads) * hd + (long)t * kv_heads * hd;
-  // Rotations of the H query heads and K key heads, pair (i, i + D/2) at a time.
-  for (int p = threadIdx.x; p < (heads + kv_heads) * half; p += blockDim.x) {
-    const int head = p / half, i = p - head * half;
-    const T* src = row + head * hd;
-    T* dst = head < heads ? q_out + head * hd : k_out + (head - heads) * hd;
-    const float a = to_f32(src[i]), b = to_f32(src[i + half]);
-    const float cc = to_f32(c[i]), ss = to_f32(s[i]);
-    dst[i] = from_f32<T>(r<T>(a * cc) - r<T>(b * ss));
-    dst[i + half] = from_f32<T>(r<T>(b * cc) + r<T>(a * ss));
+  const T* src = qkv + (long)t * (heads + 2 * kv_heads) * hd + (long)head * hd;
+  T* dst;
+  if (head < heads) {
+    dst = out + ((long)t * heads + head) * hd;
+  } else if (head < heads + kv_heads) {
+    dst = out + (long)tokens * heads * hd + ((long)t * kv_heads + head - heads) * hd;
+  } else {
+    dst = out + (long)tokens * (heads + kv_heads) * hd + ((long)t * kv_heads + head - heads - kv_heads) * hd;
+    for (int j = i; j < hd; j += blockDim.x) dst[j] = src[j];
+    return;
   }
-  const T* v = row + (heads + kv_heads) * hd;
-  for (int i = threadIdx.x; i < kv_heads * hd; i += blockDim.x) v_out[i] = v[i];
+  for (int j = i; j < half; j += blockDim.x) {
+    const float a = to_f32(src[j]), b = to_f32(src[j + half]);
+    const float cc = to_f32(cos[(long)t * half + j]), ss = to_f32(sin[(long)t * half + j]);
+    dst[j] = from_f32<T>(r<T>(a * cc) - r<T>(b * ss));
+    dst[j + half] = from_f32<T>(r<T>(b * cc) + r<T>(a * ss));
+  }
 }
 
 #define DECODER(suffix, T)                                                                                   \

@@ -9,7 +9,7 @@ bin=.gpu/bin/mmserve
 model=(--model assets/models/llava-1.5-7b-hf --load-format dummy --device cuda --dtype bfloat16 --repeats 1)
 prof() {
   local name=$1; shift
-  timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-summary per-kernel \
+  timeout 240 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-summary per-kernel \
     "$bin" bench model "${model[@]}" "$@" > "$OUT/profile_$name.csv" 2> "$OUT/profile_$name.err"
   echo "== $name: $(grep -c . "$OUT/profile_$name.csv") lines"; tail -n 3 "$OUT/profile_$name.err"
   # Kernel name, invocations, total time (in the unit column's unit), top 12.

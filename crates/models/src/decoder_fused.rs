@@ -81,8 +81,13 @@ impl CustomOp3 for AddRmsNorm {
         lw: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (rows, h) = norm_dims(lx, ly, lw)?;
+        // The kernel holds ADD_NORM_PER (8) elements per thread, in whole warps.
+        if h > 8 * 1024 {
+            candle_core::bail!("add_rmsnorm: rows of {h} exceed the kernel's 8192");
+        }
+        let threads = h.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32;
         let dev = x.device().clone();
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let (rows_arg, h_arg) = (rows as i32, h as i32);
         let out = by_float!(x.dtype(), "add_rmsnorm", |T, SUFFIX| {
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
@@ -255,7 +260,9 @@ impl CustomOp3 for RopeSplit {
         let t = self.dims(lx, lc, ls)?;
         let dev = x.device().clone();
         let n = lx.shape().elem_count();
-        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let all_heads = (self.heads + 2 * self.kv_heads) as u32;
+        let threads = (self.head_dim / 2).clamp(1, 1024) as u32;
+        let cfg = LaunchConfig { grid_dim: (t as u32, all_heads, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let (t_arg, h, k, d) = (t as i32, self.heads as i32, self.kv_heads as i32, self.head_dim as i32);
         let out = by_float!(x.dtype(), "rope_split", |T, SUFFIX| {
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);

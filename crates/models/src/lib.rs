@@ -26,6 +26,7 @@ mod paged;
 mod paged_attention;
 mod qwen2_audio;
 mod sampling;
+mod skinny;
 mod weights;
 
 pub use activation::Activation;
@@ -43,4 +44,5 @@ pub use paged::{PagedKv, PagedSeq};
 pub use paged_attention::self_test as paged_attention_self_test;
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
 pub use sampling::{SampleSettings, sample_rows, self_test as sampling_self_test};
+pub use skinny::self_test as skinny_self_test;
 pub use weights::{Naming, Weights, parse_dtype};

@@ -1,7 +1,8 @@
 //! `nn.Linear` (y = x·Wᵀ + b over the last dim). On the CPU exactly candle's `Linear`
 //! (whose results the parity tests pin down). On the GPU the leading dims fold into one
 //! GEMM (not a batch of them over a broadcast weight) and the bias is added by our fused
-//! kernel: candle's broadcast add was the vision tower's largest elementwise cost.
+//! kernel: candle's broadcast add was the vision tower's largest elementwise cost. Up
+//! to 8 rows (decode steps) take our skinny kernel instead, bias included (`skinny.rs`).
 
 use candle_core::{Module, Tensor};
 
@@ -38,10 +39,16 @@ impl Module for Linear {
         }
         let (w, dims) = (self.inner.weight(), x.dims());
         let k = dims.last().copied().unwrap_or(1);
-        let y = x.reshape((x.elem_count() / k.max(1), k))?.matmul(&w.t()?)?;
-        let y = match self.inner.bias() {
-            Some(b) => add_bias(&y, b)?,
-            None => y,
+        let x = x.reshape((x.elem_count() / k.max(1), k))?;
+        let y = match crate::skinny::linear(&x, w, self.inner.bias())? {
+            Some(y) => y,
+            None => {
+                let y = x.matmul(&w.t()?)?;
+                match self.inner.bias() {
+                    Some(b) => add_bias(&y, b)?,
+                    None => y,
+                }
+            }
         };
         let mut out = dims.to_vec();
         if let Some(last) = out.last_mut() {

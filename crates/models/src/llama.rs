@@ -214,7 +214,8 @@ impl Attention {
 fn add_norm(norm: &RmsNorm, x: &mut Tensor, add: Option<Tensor>, fused: bool) -> candle_core::Result<Tensor> {
     match add {
         None => norm.forward(x),
-        Some(y) if fused => {
+        // The kernel holds a row in registers: up to 8,192 values (every family here).
+        Some(y) if fused && x.dim(candle_core::D::Minus1)? <= 8192 => {
             let (sum, normed) = add_rmsnorm(x, &y, norm.weight(), norm.eps() as f32)?;
             *x = sum;
             Ok(normed)
