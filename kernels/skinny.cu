@@ -7,8 +7,6 @@
 // GEMM-then-bias-kernel path this replaces).
 #include "float.cuh"
 
-#define SKINNY_R 2
-
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __nv_bfloat16*) {
   const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -29,23 +27,26 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __h
   }
 }
 
-template <typename T, int M>
+// Each warp takes R rows of W: R = 2 for wide layers (fewer x loads per weight byte),
+// R = 1 for narrow ones (N <= 8192), where two rows a warp left too few warps per SM to
+// keep enough loads in flight.
+template <typename T, int M, int R>
 __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
                        T* __restrict__ y, int n, int k) {
   const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SKINNY_R;
+  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (row0 >= n) return;
-  float acc[M][SKINNY_R];
+  float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < SKINNY_R; ++r) acc[m][r] = 0.f;
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
   const int chunks = k >> 3;
 #pragma unroll 4
   for (int c = lane; c < chunks; c += 32) {
-    float wf[SKINNY_R][8];
+    float wf[R][8];
 #pragma unroll
-    for (int r = 0; r < SKINNY_R; ++r) {
+    for (int r = 0; r < R; ++r) {
       uint4 v = make_uint4(0, 0, 0, 0);
       // Weights are read once: streamed past L1, which keeps x.
       if (row0 + r < n) v = __ldcs(reinterpret_cast<const uint4*>(w + (size_t)(row0 + r) * k) + c);
@@ -56,7 +57,7 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
       float xf[8];
       unpack8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k) + c), xf, (const T*)nullptr);
 #pragma unroll
-      for (int r = 0; r < SKINNY_R; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[m][r] = fmaf(xf[e], wf[r][e], acc[m][r]);
     }
@@ -64,7 +65,7 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < SKINNY_R; ++r) {
+    for (int r = 0; r < R; ++r) {
       float v = acc[m][r];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -76,10 +77,14 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
     }
 }
 
-#define SKINNY_M(suffix, T, M)                                                                              \
-  extern "C" __global__ void skinny_##suffix##_##M(const T* x, const T* w, const T* bias, T* y, int n,   \
-                                                    int k) {                                             \
-    skinny<T, M>(x, w, bias, y, n, k);                                                                   \
+#define SKINNY_M(suffix, T, M)                                                                             \
+  extern "C" __global__ void skinny_##suffix##_##M##_1(const T* x, const T* w, const T* bias, T* y, int n, \
+                                                        int k) {                                         \
+    skinny<T, M, 1>(x, w, bias, y, n, k);                                                                \
+  }                                                                                                      \
+  extern "C" __global__ void skinny_##suffix##_##M##_2(const T* x, const T* w, const T* bias, T* y, int n, \
+                                                        int k) {                                         \
+    skinny<T, M, 2>(x, w, bias, y, n, k);                                                                \
   }
 #define SKINNY(suffix, T) \
   SKINNY_M(suffix, T, 1)  \

@@ -13,8 +13,12 @@ use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 
-/// Most rows of x the kernel takes.
-pub(crate) const MAX_ROWS: usize = 8;
+/// Most rows of x the kernel takes: 4 unless `MMSERVE_SKINNY_MAX_ROWS` (0 to 8) says
+/// otherwise (for benchmarking it against cuBLAS; past the crossover cuBLAS's tiles win).
+fn max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| std::env::var("MMSERVE_SKINNY_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4).min(8))
+}
 
 /// `x [M, K] · w [N, K]ᵀ (+ bias [N])` where the kernel applies (see the module doc),
 /// else `None`.
@@ -23,7 +27,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_co
     let aligned =
         |t: &Tensor| t.is_contiguous() && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     let fits = x.device().is_cuda()
-        && (1..=MAX_ROWS).contains(&m)
+        && (1..=max_rows()).contains(&m)
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
         && bias.is_none_or(|b| b.dtype() == x.dtype() && b.is_contiguous())
@@ -100,8 +104,13 @@ impl CustomOp3 for Skinny {
         let (m, k) = lx.shape().dims2()?;
         let n = lw.shape().dims2()?.0;
         let dev = x.device().clone();
-        // 8 warps a CTA, 2 weight rows a warp.
-        let cfg = LaunchConfig { grid_dim: (n.div_ceil(16) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // 8 warps a CTA, `per_warp` weight rows a warp (see the kernel).
+        let per_warp = if n <= 8192 { 1 } else { 2 };
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8 * per_warp) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let (n_arg, k_arg) = (n as i32, k as i32);
         let out = by_float!(x.dtype(), "skinny_linear", |T, SUFFIX| {
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
@@ -109,7 +118,8 @@ impl CustomOp3 for Skinny {
             let b = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
             // SAFETY: the kernel writes every element of [m, n].
             let mut y = unsafe { dev.alloc::<T>(m * n)? };
-            let func = dev.get_or_load_custom_func(&format!("skinny_{SUFFIX}_{m}"), "mmserve_skinny", PTX)?;
+            let func =
+                dev.get_or_load_custom_func(&format!("skinny_{SUFFIX}_{m}_{per_warp}"), "mmserve_skinny", PTX)?;
             let mut builder = func.builder();
             let null = 0u64;
             builder.arg(&x).arg(&w);
@@ -138,39 +148,43 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
         // The twin is the reference; only the kernel has anything to show.
         return Ok(bad);
     }
-    let (n, k) = (333, 1032);
-    for dtype in [DType::BF16, DType::F16] {
-        let ulp = if dtype == DType::BF16 { 2f32.powi(-7) } else { 2f32.powi(-10) };
-        let rand = |shape: (usize, usize)| -> Result<Tensor, ModelError> {
-            Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
-        };
-        let (w, b) = (rand((n, k))?, rand((1, n))?.flatten_all()?);
-        for m in [1, 3, 8] {
-            let x = rand((m, k))?;
-            for bias in [None, Some(&b)] {
-                let want = apply(&x, &w, bias)?;
-                let (xd, wd, bd) = (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?);
-                let Some(got) = linear(&xd, &wd, bias.map(|_| &bd))? else {
-                    bad.push(format!("skinny_linear {dtype:?} m={m}: not taken"));
-                    continue;
-                };
-                let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, c)| (a - c).abs() / c.abs().max(1.0))
-                    .fold(0f32, |acc, d| if d.is_nan() { f32::INFINITY } else { acc.max(d) });
-                if worst > 2.0 * ulp {
-                    bad.push(format!(
-                        "skinny_linear {dtype:?} m={m} bias={}: max relative |Δ| {worst:.3e}",
-                        bias.is_some()
-                    ));
-                }
-            }
+    for (n, k) in [(333, 1032), (8195, 24)] {
+        for dtype in [DType::BF16, DType::F16] {
+            check(device, n, k, dtype, &mut bad)?;
         }
     }
     Ok(bad)
+}
+
+fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String>) -> Result<(), ModelError> {
+    let ulp = if dtype == DType::BF16 { 2f32.powi(-7) } else { 2f32.powi(-10) };
+    let rand = |shape: (usize, usize)| -> Result<Tensor, ModelError> {
+        Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
+    };
+    let (w, b) = (rand((n, k))?, rand((1, n))?.flatten_all()?);
+    for m in [1, 3, max_rows()] {
+        let x = rand((m, k))?;
+        for bias in [None, Some(&b)] {
+            let want = apply(&x, &w, bias)?;
+            let (xd, wd, bd) = (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?);
+            let Some(got) = linear(&xd, &wd, bias.map(|_| &bd))? else {
+                bad.push(format!("skinny_linear {dtype:?} m={m}: not taken"));
+                continue;
+            };
+            let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, c)| (a - c).abs() / c.abs().max(1.0))
+                .fold(0f32, |acc, d| if d.is_nan() { f32::INFINITY } else { acc.max(d) });
+            if worst > 2.0 * ulp {
+                let has = bias.is_some();
+                bad.push(format!("skinny_linear {dtype:?} m={m} n={n} bias={has}: max relative |Δ| {worst:.3e}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
