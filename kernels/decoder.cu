@@ -28,12 +28,14 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   const T* yr = y + row * h;
   T* sum = out + row * h;
   T* normed = out + (long)rows * h + row * h;
-  float v[ADD_NORM_PER];
+  float v[ADD_NORM_PER], g[ADD_NORM_PER];
   float ss = 0.f;
+  // The weight is loaded with the row, not after the reduction: one latency, not two.
 #pragma unroll
   for (int k = 0; k < ADD_NORM_PER; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     v[k] = i < h ? to_f32(from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]))) : 0.f;
+    g[k] = i < h ? to_f32(w[i]) : 0.f;
   }
 #pragma unroll
   for (int k = 0; k < ADD_NORM_PER; ++k) {
@@ -55,7 +57,7 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
 #pragma unroll
   for (int k = 0; k < ADD_NORM_PER; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    if (i < h) normed[i] = from_f32<T>(r<T>(v[k] * inv) * to_f32(w[i]));
+    if (i < h) normed[i] = from_f32<T>(r<T>(v[k] * inv) * g[k]);
   }
 }
 
