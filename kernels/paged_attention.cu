@@ -9,7 +9,7 @@
 //
 // Grid (heads, seqs, splits), WARPS warps per CTA. A CTA takes one query head of one
 // sequence and one split: a run of `split_len` positions. Each warp walks every WARPS-th
-// position of the split, four key rows a step (lanes hold EPL consecutive elements of a
+// position of the split, one key row per step (lanes hold EPL consecutive elements of the
 // row, so a warp reads a row in one coalesced sweep), keeping a running max, sum and
 // weighted sum of values (online softmax, in f32). The warps then combine in shared memory.
 // With one split the CTA writes the output; with several it writes its partial (max, sum,
@@ -90,29 +90,25 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ kpoo
     for (int e = 0; e < EPL; ++e) acc[e] = acc[e] * c + w * v[e];
     m = m2;
   };
-  // UNROLL positions per step: every row's loads are issued before any is used (a warp's
-  // steps are otherwise one memory latency each), then one at a time for the rest.
-  constexpr int UNROLL = 4;
+  // Two positions per step: both rows' loads are issued before either is used.
   int p = begin + warp;
-  for (; p + (UNROLL - 1) * WARPS < end; p += UNROLL * WARPS) {
-    float kr[UNROLL][EPL], vr[UNROLL][EPL];
+  for (; p + WARPS < end; p += 2 * WARPS) {
+    const long long r0 = row_of(p), r1 = row_of(p + WARPS);
+    float k0[EPL], k1[EPL], v0[EPL], v1[EPL];
+    load_row<T, EPL, VEC>(kpool + r0, lane, hd, k0);
+    load_row<T, EPL, VEC>(kpool + r1, lane, hd, k1);
+    load_row<T, EPL, VEC>(vpool + r0, lane, hd, v0);
+    load_row<T, EPL, VEC>(vpool + r1, lane, hd, v1);
+    float d0 = 0.f, d1 = 0.f;
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const long long row = row_of(p + u * WARPS);
-      load_row<T, EPL, VEC>(kpool + row, lane, hd, kr[u]);
-      load_row<T, EPL, VEC>(vpool + row, lane, hd, vr[u]);
+    for (int e = 0; e < EPL; ++e) {
+      d0 += qv[e] * k0[e];
+      d1 += qv[e] * k1[e];
     }
-    float d[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      d[u] = 0.f;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) d[u] += qv[e] * kr[u][e];
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) update(warp_sum(d[u]), vr[u]);
+    update(warp_sum(d0), v0);
+    update(warp_sum(d1), v1);
   }
-  for (; p < end; p += WARPS) {
+  if (p < end) {
     const long long r0 = row_of(p);
     float k0[EPL], v0[EPL];
     load_row<T, EPL, VEC>(kpool + r0, lane, hd, k0);

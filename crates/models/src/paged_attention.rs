@@ -187,7 +187,7 @@ impl CustomOp3 for PagedDecode<'_> {
         });
         let ctas = d.heads * d.seqs;
         let max_len = self.tables.max_len.max(1);
-        let splits = if ctas >= 2 * sms { 1 } else { (4 * sms).div_ceil(ctas).min(max_len.div_ceil(32)).max(1) };
+        let splits = if ctas >= 2 * sms { 1 } else { (4 * sms).div_ceil(ctas).min(max_len.div_ceil(64)).max(1) };
         let split_len = max_len.div_ceil(splits);
         let splits = max_len.div_ceil(split_len);
 
