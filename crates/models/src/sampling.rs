@@ -46,6 +46,11 @@ pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>,
     if n == 0 {
         return Ok(Vec::new());
     }
+    // A zero or non-finite temperature would leave no weight at all (the engine takes
+    // the argmax for those instead).
+    if let Some(bad) = rows.iter().find(|s| !(s.temperature > 0.0 && (1.0 / s.temperature).is_finite())) {
+        return Err(ModelError::InvalidInput(format!("sampling at temperature {}", bad.temperature)));
+    }
     let params: Vec<f64> = rows.iter().flat_map(SampleSettings::params).collect();
     Ok(logits.apply_op1_no_bwd(&SampleRows { params })?.to_vec1::<u32>()?)
 }
@@ -112,7 +117,7 @@ fn sample_ref(l: &[f32], p: &[f64]) -> u32 {
         bound = crossing(bound, target);
     }
     let q = total(bound);
-    let draw = ((p[4] * q as f64) as u64).min(q - 1);
+    let draw = ((p[4] * q as f64) as u64).min(q.saturating_sub(1));
     let k = crossing(bound, draw + 1);
     u32::MAX - (k & 0xFFFF_FFFF) as u32
 }
@@ -225,6 +230,8 @@ mod tests {
             assert_ne!(one(&logits, SampleSettings { u: f64::from(i) / 100.0, ..s }), 4);
         }
         assert_eq!(one(&[f32::NEG_INFINITY; 3], s), 0, "nothing finite: the first");
+        let t = Tensor::from_slice(&logits, (1, logits.len()), &Device::Cpu).unwrap();
+        assert!(sample_rows(&t, &[SampleSettings { temperature: 0.0, ..s }]).is_err(), "greedy is the argmax's job");
     }
 
     #[test]
