@@ -4,8 +4,7 @@
 // the narrow ones); here every warp streams R whole rows of W in 16-byte loads, once, and
 // applies each to all M rows of x, so W crosses HBM once at close to full bandwidth.
 // Rounding: the dot product rounded to T, then the bias added and rounded again (the
-// GEMM-then-bias-kernel path this replaces). `skinny_silu_*` also fold in the MLP's
-// silu_mul (kernels/decoder.cu), reading x from the fused gate/up output.
+// GEMM-then-bias-kernel path this replaces).
 #include "float.cuh"
 
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __nv_bfloat16*) {
@@ -31,23 +30,7 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __h
 // Each warp takes R rows of W: R = 2 for wide layers (fewer x loads per weight byte),
 // R = 1 for narrow ones (N <= 8192), where two rows a warp left too few warps per SM to
 // keep enough loads in flight.
-// x's 8 elements at chunk c of row m: read as is, or (SILU) made from a fused gate/up
-// row [gate | up] of 2k values as silu_mul makes them, round(round(silu(g)) · u), so the
-// MLP's down projection needs no separate activation kernel.
-template <typename T, bool SILU>
-__device__ __forceinline__ void x_chunk(const T* __restrict__ x, int m, int k, int c, float (&xf)[8]) {
-  if (!SILU) {
-    unpack8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k) + c), xf, (const T*)nullptr);
-    return;
-  }
-  float g[8], u[8];
-  unpack8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * 2 * k) + c), g, (const T*)nullptr);
-  unpack8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * 2 * k + k) + c), u, (const T*)nullptr);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) xf[e] = to_f32(from_f32<T>(r<T>(g[e] / (1.f + expf(-g[e]))) * u[e]));
-}
-
-template <typename T, int M, int R, bool SILU>
+template <typename T, int M, int R>
 __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
                        T* __restrict__ y, int n, int k) {
   const int lane = threadIdx.x & 31;
@@ -72,7 +55,7 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float xf[8];
-      x_chunk<T, SILU>(x, m, k, c, xf);
+      unpack8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * k) + c), xf, (const T*)nullptr);
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -97,11 +80,11 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
 #define SKINNY_M(suffix, T, M)                                                                             \
   extern "C" __global__ void skinny_##suffix##_##M##_1(const T* x, const T* w, const T* bias, T* y, int n, \
                                                         int k) {                                         \
-    skinny<T, M, 1, false>(x, w, bias, y, n, k);                                                                \
+    skinny<T, M, 1>(x, w, bias, y, n, k);                                                                \
   }                                                                                                      \
   extern "C" __global__ void skinny_##suffix##_##M##_2(const T* x, const T* w, const T* bias, T* y, int n, \
                                                         int k) {                                         \
-    skinny<T, M, 2, false>(x, w, bias, y, n, k);                                                                \
+    skinny<T, M, 2>(x, w, bias, y, n, k);                                                                \
   }
 #define SKINNY(suffix, T) \
   SKINNY_M(suffix, T, 1)  \
@@ -113,18 +96,5 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
   SKINNY_M(suffix, T, 7)  \
   SKINNY_M(suffix, T, 8)
 
-// The down projection of a one-token MLP, from its fused gate/up output.
-#define SKINNY_SILU(suffix, T)                                                                              \
-  extern "C" __global__ void skinny_silu_##suffix##_1_1(const T* gu, const T* w, const T* bias, T* y, int n, \
-                                                         int k) {                                         \
-    skinny<T, 1, 1, true>(gu, w, bias, y, n, k);                                                          \
-  }                                                                                                       \
-  extern "C" __global__ void skinny_silu_##suffix##_1_2(const T* gu, const T* w, const T* bias, T* y, int n, \
-                                                         int k) {                                         \
-    skinny<T, 1, 2, true>(gu, w, bias, y, n, k);                                                          \
-  }
-
 SKINNY(bf16, __nv_bfloat16)
 SKINNY(f16, __half)
-SKINNY_SILU(bf16, __nv_bfloat16)
-SKINNY_SILU(f16, __half)

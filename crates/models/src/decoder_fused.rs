@@ -118,7 +118,7 @@ fn norm_dims(lx: &Layout, ly: &Layout, lw: &Layout) -> candle_core::Result<(usiz
 /// `silu(gate) · up` of a fused `[rows, 2I]` gate/up projection: `[rows, I]`.
 struct SiluMul;
 
-pub(crate) fn silu_mul_ref<T: FromF32>(gu: &[T], rows: usize, inter: usize) -> Vec<T> {
+fn silu_mul_ref<T: FromF32>(gu: &[T], rows: usize, inter: usize) -> Vec<T> {
     let mut out = Vec::with_capacity(rows * inter);
     for row in gu.chunks(2 * inter).take(rows) {
         let (g, u) = row.split_at(inter);

@@ -32,26 +32,6 @@ impl Linear {
     }
 }
 
-impl Linear {
-    /// `forward(silu_mul(gu))` for a fused gate/up output `gu` [.., 2K] (the GPU's MLP):
-    /// one kernel for a single row (`skinny.rs`), the two ops otherwise.
-    pub(crate) fn forward_silu_mul(&self, gu: &Tensor) -> candle_core::Result<Tensor> {
-        let dims = gu.dims();
-        let width = dims.last().copied().unwrap_or(1);
-        if gu.elem_count() == width {
-            let (w, bias) = (self.inner.weight(), self.inner.bias());
-            if let Some(y) = crate::skinny::silu_linear(&gu.reshape((1, width))?, w, bias)? {
-                let mut out = dims.to_vec();
-                if let Some(last) = out.last_mut() {
-                    *last = w.dim(0)?;
-                }
-                return y.reshape(out);
-            }
-        }
-        self.forward(&crate::decoder_fused::silu_mul(gu)?)
-    }
-}
-
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if !x.device().is_cuda() {

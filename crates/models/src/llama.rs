@@ -17,7 +17,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use crate::decoder_fused::{add_rmsnorm, rope_split};
+use crate::decoder_fused::{add_rmsnorm, rope_split, silu_mul};
 use crate::fused::scaled_softmax;
 use crate::linear::Linear;
 use mmserve_config::{LlamaConfig, ModelDir};
@@ -244,8 +244,7 @@ fn causal_mask(n: usize, past: usize, device: &Device) -> candle_core::Result<Te
 enum GateUp {
     /// The checkpoint's two, any activation (the CPU).
     Separate { gate: Linear, up: Linear, act: Activation },
-    /// Stacked into one GEMM, then `silu_mul` (the GPU, for SiLU; folded into the down
-    /// projection's kernel for a single row).
+    /// Stacked into one GEMM, then `silu_mul` (the GPU, for SiLU).
     FusedSilu(Linear),
 }
 
@@ -268,12 +267,11 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match &self.gate_up {
-            GateUp::FusedSilu(gate_up) => self.down_proj.forward_silu_mul(&gate_up.forward(x)?),
-            GateUp::Separate { gate, up, act } => {
-                self.down_proj.forward(&(act.apply(&gate.forward(x)?)? * up.forward(x)?)?)
-            }
-        }
+        let h = match &self.gate_up {
+            GateUp::FusedSilu(gate_up) => silu_mul(&gate_up.forward(x)?)?,
+            GateUp::Separate { gate, up, act } => (act.apply(&gate.forward(x)?)? * up.forward(x)?)?,
+        };
+        self.down_proj.forward(&h)
     }
 }
 

@@ -8,7 +8,6 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use crate::ModelError;
-use crate::decoder_fused::silu_mul_ref;
 #[cfg(feature = "cuda")]
 use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
@@ -26,27 +25,12 @@ fn max_rows() -> usize {
 /// `x [M, K] · w [N, K]ᵀ (+ bias [N])` where the kernel applies (see the module doc),
 /// else `None`.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
-    linear_upto(x, w, bias, max_rows(), false)
+    linear_upto(x, w, bias, max_rows())
 }
 
-/// `silu_mul(gu) · w [N, K]ᵀ (+ bias)` for one row of a fused gate/up output `gu`
-/// [1, 2K] (the MLP's down projection of a batch-1 decode step), the activation folded
-/// into the kernel's loads; `None` where the kernel does not apply.
-pub(crate) fn silu_linear(gu: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
-    linear_upto(gu, w, bias, max_rows().min(1), true)
-}
-
-/// [`linear`] (or with `silu`, [`silu_linear`]) for up to `rows` rows of x (the
-/// self-test runs every compiled count).
-fn linear_upto(
-    x: &Tensor,
-    w: &Tensor,
-    bias: Option<&Tensor>,
-    rows: usize,
-    silu: bool,
-) -> candle_core::Result<Option<Tensor>> {
-    let (m, width) = x.dims2()?;
-    let k = if silu { width / 2 } else { width };
+/// [`linear`] for up to `rows` rows of x (the self-test runs every compiled count).
+fn linear_upto(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_core::Result<Option<Tensor>> {
+    let (m, k) = x.dims2()?;
     let aligned =
         |t: &Tensor| t.is_contiguous() && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     let fits = x.device().is_cuda()
@@ -55,25 +39,22 @@ fn linear_upto(
         && w.dtype() == x.dtype()
         && bias.is_none_or(|b| b.dtype() == x.dtype() && b.is_contiguous())
         && k.is_multiple_of(8)
-        && (!silu || (m == 1 && width == 2 * k))
         && w.dims2()?.1 == k
         && aligned(x)
         && aligned(w);
     if !fits {
         return Ok(None);
     }
-    Ok(Some(apply(x, w, bias, silu)?))
+    Ok(Some(apply(x, w, bias)?))
 }
 
-fn apply(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, silu: bool) -> candle_core::Result<Tensor> {
+fn apply(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
     // Without a bias the third operand is unused (the kernel gets a null pointer).
-    x.apply_op3_no_bwd(w, bias.unwrap_or(w), &Skinny { bias: bias.is_some(), silu })
+    x.apply_op3_no_bwd(w, bias.unwrap_or(w), &Skinny { bias: bias.is_some() })
 }
 
 struct Skinny {
     bias: bool,
-    /// x is a fused gate/up output [M, 2K]; the kernel applies silu_mul as it loads.
-    silu: bool,
 }
 
 fn reference<T: FromF32>(x: &[T], w: &[T], b: Option<&[T]>, m: usize, n: usize, k: usize) -> Vec<T> {
@@ -105,13 +86,11 @@ impl CustomOp3 for Skinny {
         b: &CpuStorage,
         lb: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let m = lx.shape().dims2()?.0;
-        let (n, k) = lw.shape().dims2()?;
-        let (ox, ow, ob, has, silu) = (lx.start_offset(), lw.start_offset(), lb.start_offset(), self.bias, self.silu);
-        let out = cpu_float!("skinny_linear", (x, w, b) => {
-            let x = if silu { silu_mul_ref(&x[ox..], m, k) } else { x[ox..ox + m * k].to_vec() };
-            reference(&x, &w[ow..], has.then(|| &b[ob..]), m, n, k)
-        });
+        let (m, k) = lx.shape().dims2()?;
+        let n = lw.shape().dims2()?.0;
+        let (ox, ow, ob, has) = (lx.start_offset(), lw.start_offset(), lb.start_offset(), self.bias);
+        let out = cpu_float!("skinny_linear", (x, w, b) =>
+            reference(&x[ox..], &w[ow..], has.then(|| &b[ob..]), m, n, k));
         Ok((out, Shape::from((m, n))))
     }
 
@@ -129,10 +108,9 @@ impl CustomOp3 for Skinny {
         use candle_core::cuda_backend::WrapErr;
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
-        let m = lx.shape().dims2()?.0;
-        let (n, k) = lw.shape().dims2()?;
+        let (m, k) = lx.shape().dims2()?;
+        let n = lw.shape().dims2()?.0;
         let dev = x.device().clone();
-        let kind = if self.silu { "skinny_silu" } else { "skinny" };
         // 8 warps a CTA, `per_warp` weight rows a warp (see the kernel).
         let per_warp = if n <= 8192 { 1 } else { 2 };
         let cfg = LaunchConfig {
@@ -148,7 +126,7 @@ impl CustomOp3 for Skinny {
             // SAFETY: the kernel writes every element of [m, n].
             let mut y = unsafe { dev.alloc::<T>(m * n)? };
             let func =
-                dev.get_or_load_custom_func(&format!("{kind}_{SUFFIX}_{m}_{per_warp}"), "mmserve_skinny", PTX)?;
+                dev.get_or_load_custom_func(&format!("skinny_{SUFFIX}_{m}_{per_warp}"), "mmserve_skinny", PTX)?;
             let mut builder = func.builder();
             let null = 0u64;
             builder.arg(&x).arg(&w);
@@ -157,9 +135,8 @@ impl CustomOp3 for Skinny {
                 false => builder.arg(&null),
             };
             builder.arg(&mut y).arg(&n_arg).arg(&k_arg);
-            // SAFETY: reads [m, k] of x ([m, 2k] with silu), [n, k] of w (both 16-byte
-            // aligned, k a multiple of 8, checked by `linear_upto`) and [n] of the bias;
-            // writes [m, n].
+            // SAFETY: reads [m, k] of x, [n, k] of w (both 16-byte aligned, k a multiple
+            // of 8, checked by `linear`) and [n] of the bias; writes [m, n].
             unsafe { builder.launch(cfg) }.w()?;
             candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone())
         });
@@ -192,14 +169,13 @@ fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String
         Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
     };
     let (w, b) = (rand((n, k))?, rand((1, n))?.flatten_all()?);
-    // (rows, silu): every row count plain, and the one-row fused down projection.
-    for (m, silu) in [(1, false), (3, false), (8, false), (1, true)] {
-        let x = rand((m, if silu { 2 * k } else { k }))?;
+    for m in [1, 3, 8] {
+        let x = rand((m, k))?;
         for bias in [None, Some(&b)] {
-            let want = apply(&x, &w, bias, silu)?;
+            let want = apply(&x, &w, bias)?;
             let (xd, wd, bd) = (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?);
-            let Some(got) = linear_upto(&xd, &wd, bias.map(|_| &bd), 8, silu)? else {
-                bad.push(format!("skinny_linear {dtype:?} m={m} silu={silu}: not taken"));
+            let Some(got) = linear_upto(&xd, &wd, bias.map(|_| &bd), 8)? else {
+                bad.push(format!("skinny_linear {dtype:?} m={m}: not taken"));
                 continue;
             };
             let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
@@ -211,9 +187,7 @@ fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String
                 .fold(0f32, |acc, d| if d.is_nan() { f32::INFINITY } else { acc.max(d) });
             if worst > 2.0 * ulp {
                 let has = bias.is_some();
-                bad.push(format!(
-                    "skinny_linear {dtype:?} m={m} n={n} bias={has} silu={silu}: max relative |Δ| {worst:.3e}"
-                ));
+                bad.push(format!("skinny_linear {dtype:?} m={m} n={n} bias={has}: max relative |Δ| {worst:.3e}"));
             }
         }
     }
@@ -231,17 +205,10 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (5, 16), &dev).unwrap();
         let b = Tensor::randn(0f32, 1.0, 5, &dev).unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
-        let got = apply(&x, &w, Some(&b), false).unwrap();
+        let got = apply(&x, &w, Some(&b)).unwrap();
         let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff < 1e-5, "{diff}");
         // The CPU never takes the kernel's path.
         assert!(linear(&x, &w, None).unwrap().is_none());
-        // With silu, x is [gate | up]: the twin is silu_mul then the product.
-        let gu = Tensor::randn(0f32, 1.0, (1, 32), &dev).unwrap();
-        let h = (gu.narrow(1, 0, 16).unwrap().silu().unwrap() * gu.narrow(1, 16, 16).unwrap()).unwrap();
-        let want = h.matmul(&w.t().unwrap()).unwrap();
-        let got = apply(&gu, &w, None, true).unwrap();
-        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-        assert!(diff < 1e-5, "{diff}");
     }
 }
