@@ -554,7 +554,8 @@ impl Batcher {
     }
 
     /// What each planned sequence samples from, one each: the logits of its last
-    /// computed position, or only their argmax where that decides ([`argmax_decides`]).
+    /// computed position, or only the token chosen where they are (the argmax where it
+    /// decides, a device draw where the logits alone decide: [`Pick`]).
     fn forward(&mut self, running: &[Sequence], plan: &[Planned]) -> Result<Vec<Next>, String> {
         let mut sources = Vec::with_capacity(plan.iter().map(|p| p.n).sum());
         let mut tables = Vec::with_capacity(plan.len());
