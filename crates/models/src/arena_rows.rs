@@ -470,6 +470,24 @@ mod tests {
     }
 
     #[test]
+    fn a_bf16_arena_rounds_once_on_write_and_converts_exactly_on_read() {
+        let dev = Device::Cpu;
+        let mut host = vec![0u8; 2 * 3 * 2];
+        // SAFETY: `host` outlives `rows`.
+        let rows = unsafe { ArenaRows::new(host.as_mut_ptr(), 2, 3, DType::BF16, &dev).unwrap() };
+        let values = [[1.0f32 + 1.0 / 512.0, -3.3, 1e-3], [65504.0, 0.1, -0.0]];
+        rows.write(0, &Tensor::new(&values, &dev).unwrap()).unwrap();
+        let table = Tensor::zeros((1, 3), DType::F32, &dev).unwrap();
+        let got = rows.gather(&table, &[slot_source(1), slot_source(0)]).unwrap().to_vec2::<f32>().unwrap();
+        let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+        let want: Vec<Vec<f32>> = [values[1], values[0]].iter().map(|r| r.iter().map(|&v| bf(v)).collect()).collect();
+        assert_eq!(got, want);
+        // The model's dtype decides the output's: a bf16 table gets bf16 rows.
+        let table = Tensor::zeros((1, 3), DType::BF16, &dev).unwrap();
+        assert_eq!(rows.gather(&table, &[slot_source(0)]).unwrap().dtype(), DType::BF16);
+    }
+
+    #[test]
     fn self_test_compares_the_cpu_with_itself() {
         assert!(self_test(&Device::Cpu).unwrap().is_empty());
     }
