@@ -167,6 +167,7 @@ async fn colliding_md5_inputs_get_their_own_embeddings() {
     let c = cache.client().await;
     let info = c.arena(deadline(T)).await.unwrap();
     let view = mmserve_embed_cache::ArenaView::open(&info).unwrap();
+    let rows = embedding_rows(&view);
     let mut records = Vec::new();
     for (n, bytes) in pair.iter().enumerate() {
         let d = ItemDigest::compute(Modality::Image, "model;clip", bytes);
@@ -182,18 +183,21 @@ async fn colliding_md5_inputs_get_their_own_embeddings() {
         let r = a.records[0].clone();
         assert!(r.write_data, "item {n} must be a miss");
         view.write_data(r.data_offset, bytes).unwrap();
-        view.write_rows(r.start_index, &[n as f32; 8]).unwrap();
+        // The item's two slots of 4 values (the helper's --embed-dim).
+        let row = candle_core::Tensor::new(&[[n as f32; 4]; 2], &candle_core::Device::Cpu).unwrap();
+        rows.write(r.start_index as usize, &row).unwrap();
         records.push(r);
     }
     assert_eq!(records[0].key, records[1].key, "equal md5");
     assert_ne!(records[0].id, records[1].id);
     for (n, r) in records.iter().enumerate() {
         assert_eq!(view.read_data(r.data_offset, 128).unwrap(), pair[n]);
-        let mut row = [0f32; 8];
-        view.read_rows(r.start_index, &mut row).unwrap();
-        assert_eq!(row, [n as f32; 8], "each input keeps its own embedding");
+        let table = candle_core::Tensor::zeros((1, 4), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let slots = [r.start_index, r.start_index + 1].map(mmserve_models::slot_source);
+        let row = rows.gather(&table, &slots).unwrap();
+        assert_eq!(row.to_vec2::<f32>().unwrap(), vec![vec![n as f32; 4]; 2], "each input keeps its own embedding");
     }
-    drop((c, view));
+    drop((c, rows, view));
     cache.stop();
 }
 
@@ -390,4 +394,12 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
     assert_eq!((stats.references, stats.waiting), (0, 0));
     drop((a, b, conn));
     cache.stop();
+}
+
+/// The embedding rows of `view` as the encoder and the engine see them (on the CPU).
+fn embedding_rows(view: &mmserve_embed_cache::ArenaView) -> mmserve_models::ArenaRows {
+    let r = view.embed_rows();
+    let dtype = mmserve_models::parse_dtype(r.dtype.name()).unwrap();
+    // SAFETY: the caller drops the rows before the view.
+    unsafe { mmserve_models::ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, &candle_core::Device::Cpu).unwrap() }
 }

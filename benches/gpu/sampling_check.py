@@ -4,6 +4,7 @@ in f32 (logits agree to ~1e-6): the GPU draws on the device (kernels/sampling.cu
 CPU with the host sampler, so equal texts say the two make the same choices.
 Usage: python3 benches/gpu/sampling_check.py .gpu/bin/mmserve"""
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -21,7 +22,7 @@ SETTINGS = [
 def serve(device):
     p = subprocess.Popen(
         [BIN, "serve", "--model", MODEL, "--port", "0", "--device", device, "--dtype", "float32"],
-        stdout=subprocess.PIPE, text=True, env={"MMSERVE_LOG": "warn", "PATH": "/usr/bin:/bin"})
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "MMSERVE_LOG": "warn"})
     for line in p.stdout:  # the server's ready line names its address
         if line.startswith("mmserve: serving "):
             return p, line.split(" at ")[1].strip()

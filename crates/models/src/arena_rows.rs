@@ -170,12 +170,12 @@ impl ArenaRows {
             return cuda::copy_to_host(&rows, dst);
         }
         let values = rows.to_device(&Device::Cpu)?.flatten_all()?;
-        let src: Vec<u8> = match self.dtype {
-            DType::F32 => values.to_vec1::<f32>()?.iter().flat_map(|v| v.to_ne_bytes()).collect(),
-            DType::BF16 => values.to_vec1::<half::bf16>()?.iter().flat_map(|v| v.to_ne_bytes()).collect(),
-            _ => values.to_vec1::<half::f16>()?.iter().flat_map(|v| v.to_ne_bytes()).collect(),
-        };
-        dst.copy_from_slice(&src);
+        // Straight from the values into the slots, element by element (no byte buffer).
+        match self.dtype {
+            DType::F32 => put(dst, &values.to_vec1::<f32>()?, |v| v.to_ne_bytes()),
+            DType::BF16 => put(dst, &values.to_vec1::<half::bf16>()?, |v| v.to_ne_bytes()),
+            _ => put(dst, &values.to_vec1::<half::f16>()?, |v| v.to_ne_bytes()),
+        }
         Ok(())
     }
 
@@ -205,6 +205,13 @@ impl ArenaRows {
             out.extend_from_slice(unsafe { std::slice::from_raw_parts(self.host.add(range.start), range.len()) });
         }
         out
+    }
+}
+
+/// `values` into `dst` as native-order bytes (`dst` holds exactly that many).
+fn put<T: Copy, const N: usize>(dst: &mut [u8], values: &[T], bytes: impl Fn(T) -> [u8; N]) {
+    for (d, &v) in dst.chunks_exact_mut(N).zip(values) {
+        d.copy_from_slice(&bytes(v));
     }
 }
 

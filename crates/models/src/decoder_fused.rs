@@ -82,8 +82,8 @@ impl CustomOp3 for AddRmsNorm {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (rows, h) = norm_dims(lx, ly, lw)?;
         // The kernel holds ADD_NORM_PER (8) elements per thread, in whole warps.
-        if h > 8 * 1024 {
-            candle_core::bail!("add_rmsnorm: rows of {h} exceed the kernel's 8192");
+        if h > ADD_RMSNORM_MAX_WIDTH {
+            candle_core::bail!("add_rmsnorm: rows of {h} exceed the kernel's {ADD_RMSNORM_MAX_WIDTH}");
         }
         let threads = h.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32;
         let dev = x.device().clone();
@@ -283,6 +283,10 @@ impl CustomOp3 for RopeSplit {
 
 #[cfg(feature = "cuda")]
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decoder.ptx"));
+
+/// The widest row `add_rmsnorm` takes on the GPU: the kernel keeps a row in registers,
+/// 8 values a thread over at most 1,024 threads (every model family here fits).
+pub(crate) const ADD_RMSNORM_MAX_WIDTH: usize = 8 * 1024;
 
 /// `(x + y, RMSNorm(x + y) · w)` for rows `x`, `y` [rows, h].
 pub(crate) fn add_rmsnorm(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {

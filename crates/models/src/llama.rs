@@ -17,7 +17,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use crate::decoder_fused::{add_rmsnorm, rope_split, silu_mul};
+use crate::decoder_fused::{ADD_RMSNORM_MAX_WIDTH, add_rmsnorm, rope_split, silu_mul};
 use crate::fused::scaled_softmax;
 use crate::linear::Linear;
 use mmserve_config::{LlamaConfig, ModelDir};
@@ -214,8 +214,7 @@ impl Attention {
 fn add_norm(norm: &RmsNorm, x: &mut Tensor, add: Option<Tensor>, fused: bool) -> candle_core::Result<Tensor> {
     match add {
         None => norm.forward(x),
-        // The kernel holds a row in registers: up to 8,192 values (every family here).
-        Some(y) if fused && x.dim(candle_core::D::Minus1)? <= 8192 => {
+        Some(y) if fused && x.dim(candle_core::D::Minus1)? <= ADD_RMSNORM_MAX_WIDTH => {
             let (sum, normed) = add_rmsnorm(x, &y, norm.weight(), norm.eps() as f32)?;
             *x = sum;
             Ok(normed)

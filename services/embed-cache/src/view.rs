@@ -1,12 +1,13 @@
-//! How other processes see the cache's arenas. The layout is the cache's business, so
-//! the encoder and the engine read and write rows only through this view.
+//! How other processes see the cache's arenas. The layout is the cache's business: the
+//! api reads and writes item bytes through this view, and the encoder and the engine
+//! get the embedding rows from it as one dense region ([`ArenaView::embed_rows`]) that
+//! they register with their device (`mmserve_models::ArenaRows`, which converts between
+//! the arena's dtype and the model's).
 //!
 //! Embedding arena: `[slots, layers, hidden]` in the LLM's dtype, row-major; slot `s`
-//! starts at byte `s × layers × hidden × dtype size`. Callers speak f32; the view converts
-//! (round to nearest even on the way in, exact on the way out). Data arena: raw item
-//! bytes at the offsets `alloc` returns.
+//! starts at byte `s × layers × hidden × dtype size`. Data arena: raw item bytes at the
+//! offsets `alloc` returns.
 
-use half::{bf16, f16};
 use mmserve_protocol::{ArenaDtype, ArenaInfo};
 use mmserve_shm::{Segment, ShmError};
 
@@ -48,40 +49,6 @@ impl ArenaView {
         }
     }
 
-    /// Writes whole rows starting at `slot`.
-    pub fn write_rows(&self, slot: u64, rows: &[f32]) -> Result<(), ShmError> {
-        let offset = self.slot_offset(slot)?;
-        match self.info.dtype {
-            ArenaDtype::F32 => self.embed.write_f32(offset, rows),
-            ArenaDtype::Bf16 => self.embed.write(offset, &narrow(rows, |v| bf16::from_f32(v).to_bits())),
-            ArenaDtype::F16 => self.embed.write(offset, &narrow(rows, |v| f16::from_f32(v).to_bits())),
-        }
-    }
-
-    fn slot_offset(&self, slot: u64) -> Result<usize, ShmError> {
-        (slot as usize).checked_mul(self.info.slot_bytes()).ok_or_else(|| ShmError::Size {
-            name: self.info.embed_segment.clone(),
-            expected: usize::MAX,
-            actual: self.embed.len(),
-        })
-    }
-
-    /// Reads whole rows starting at `slot` into `out`.
-    pub fn read_rows(&self, slot: u64, out: &mut [f32]) -> Result<(), ShmError> {
-        let offset = self.slot_offset(slot)?;
-        let to_f32: fn(u16) -> f32 = match self.info.dtype {
-            ArenaDtype::F32 => return self.embed.read_f32(offset, out),
-            ArenaDtype::Bf16 => |b| bf16::from_bits(b).to_f32(),
-            ArenaDtype::F16 => |b| f16::from_bits(b).to_f32(),
-        };
-        let mut bytes = vec![0u8; out.len() * 2];
-        self.embed.read(offset, &mut bytes)?;
-        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *o = to_f32(u16::from_ne_bytes([b[0], b[1]]));
-        }
-        Ok(())
-    }
-
     /// An item's raw bytes.
     pub fn read_data(&self, offset: u64, len: u64) -> Result<Vec<u8>, ShmError> {
         // Check the range before allocating for it.
@@ -101,9 +68,4 @@ impl ArenaView {
     pub fn write_data(&self, offset: u64, bytes: &[u8]) -> Result<(), ShmError> {
         self.data.write(offset as usize, bytes)
     }
-}
-
-/// f32 values as 2-byte values in native byte order.
-fn narrow(values: &[f32], to_bits: impl Fn(f32) -> u16) -> Vec<u8> {
-    values.iter().flat_map(|&v| to_bits(v).to_ne_bytes()).collect()
 }

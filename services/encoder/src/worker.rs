@@ -4,11 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use mmserve_config::ModelDir;
 use mmserve_embed_cache::ArenaView;
 use mmserve_models::ArenaRows;
-use mmserve_protocol::ArenaDtype;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, deadline};
 use tokio::runtime::Handle;
@@ -38,11 +37,7 @@ pub(crate) struct Worker {
 /// directly); staged through host memory, with a warning, where that fails.
 fn map_rows(arena: &ArenaView, device: &Device) -> Result<ArenaRows, mmserve_models::ModelError> {
     let r = arena.embed_rows();
-    let dtype = match r.dtype {
-        ArenaDtype::F32 => DType::F32,
-        ArenaDtype::Bf16 => DType::BF16,
-        ArenaDtype::F16 => DType::F16,
-    };
+    let dtype = mmserve_models::parse_dtype(r.dtype.name())?;
     // SAFETY: the region is `arena`'s mapping; the worker keeps the view alive for as
     // long as the rows (`rows` is replaced before `arena`, and drops first).
     let rows = unsafe { ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, device)? };

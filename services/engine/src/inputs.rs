@@ -3,10 +3,10 @@
 //! gather builds the whole step's input (`kernels/merge.cu` on the GPU, reading the
 //! arena in place).
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use mmserve_embed_cache::ArenaView;
-use mmserve_models::{ArenaRows, slot_source, text_source};
-use mmserve_protocol::{ArenaDtype, EngineError, GenerateRequest, ItemSpan};
+use mmserve_models::{ArenaRows, parse_dtype, slot_source, text_source};
+use mmserve_protocol::{EngineError, GenerateRequest, ItemSpan};
 
 /// Where one prompt position's row comes from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,11 +72,7 @@ pub struct ModelArena {
 impl ModelArena {
     pub fn new(view: ArenaView, device: &Device) -> Result<Self, String> {
         let r = view.embed_rows();
-        let dtype = match r.dtype {
-            ArenaDtype::F32 => DType::F32,
-            ArenaDtype::Bf16 => DType::BF16,
-            ArenaDtype::F16 => DType::F16,
-        };
+        let dtype = parse_dtype(r.dtype.name()).map_err(|e| e.to_string())?;
         // SAFETY: the region is `view`'s mapping, which outlives `rows` (field order).
         let rows = unsafe { ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, device) }.map_err(|e| e.to_string())?;
         if let Some(why) = rows.mapping_error() {
