@@ -21,10 +21,10 @@ async fn refused(server: &Server, url: &str, says: &str) {
 async fn allowed_fetches_work_and_the_rest_is_refused() {
     let http = common::http::start(fixture_png()).await;
     let want = ids(&reference()["generated_ids"]);
-    let media = common::cache::temp_dir("fetch-files");
-    std::fs::copy(llava_dir().join("input.png"), media.join("cat.png")).unwrap();
-    std::os::unix::fs::symlink(llava_dir().join("config.json"), media.join("escape.png")).unwrap();
-    let media = media.canonicalize().unwrap();
+    let media_dir = common::cache::temp_dir("fetch-files");
+    std::fs::copy(llava_dir().join("input.png"), media_dir.join("cat.png")).unwrap();
+    std::os::unix::fs::symlink(llava_dir().join("config.json"), media_dir.join("escape.png")).unwrap();
+    let media = media_dir.canonicalize().unwrap();
 
     let server = Server::start(&[
         "--allowed-media-domains",

@@ -62,9 +62,7 @@ fn a_dead_child_is_named_and_serve_exits_non_zero_leaving_nothing() {
 
 #[test]
 fn a_config_dtype_the_arena_cannot_hold_is_refused_before_any_child_starts() {
-    let dir = std::env::temp_dir().join(format!("mmserve-test-bad-dtype-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::cache::temp_dir("bad-dtype");
     for entry in std::fs::read_dir(llava_dir()).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap();
@@ -89,5 +87,4 @@ fn a_config_dtype_the_arena_cannot_hold_is_refused_before_any_child_starts() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("config.json") && err.contains("\"int8\""), "stderr: {err}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -9,7 +9,8 @@ use safetensors::SafeTensors;
 
 fn preprocess(model: &str, file: &str) -> Vec<u8> {
     let dir = common::repo().join("assets/models").join(model);
-    let out = common::cache::temp_dir(&format!("preprocess-{model}")).join("out.safetensors");
+    let tmp = common::cache::temp_dir(&format!("preprocess-{model}"));
+    let out = tmp.join("out.safetensors");
     let status = Command::new(env!("CARGO_BIN_EXE_mmserve"))
         .args(["preprocess", "--model"])
         .arg(&dir)

@@ -16,12 +16,34 @@ pub struct CacheProc {
     pub admin: String,
 }
 
-/// A fresh directory under the temp dir for sockets.
-pub fn temp_dir(name: &str) -> PathBuf {
+/// A fresh directory under the temp dir, removed with everything in it when dropped.
+pub struct TestDir(PathBuf);
+
+impl std::ops::Deref for TestDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TestDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh directory for sockets and files, named after the test and this process.
+pub fn temp_dir(name: &str) -> TestDir {
     let d = std::env::temp_dir().join(format!("mmserve-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TestDir(d)
 }
 
 impl CacheProc {
