@@ -12,7 +12,8 @@
 //   `valid` < cols also hides the columns from `valid` on (keys padded for alignment).
 //
 // add_bias: x [rows, cols] + b [cols] for contiguous x. candle's broadcast add computes a
-//   strided index per element; this is one read of x and one write.
+//   strided index per element; this is one read of x and one write, in 16-byte chunks
+//   when the row width and offsets allow (`_vec`).
 //
 // split_heads, quick_gelu: the encoder layer's head split of a stacked q/k/v GEMM (with the
 //   keys padded to a multiple of 8), and CLIP's activation in one pass instead of three.
@@ -40,10 +41,35 @@ __device__ void scaled_softmax(const T* __restrict__ x, T* __restrict__ out, lon
   for (int j = lane; j < cols; j += 32) o[j] = from_f32<T>(j < visible ? expf(to_f32(in[j]) * scale - m) * inv : 0.f);
 }
 
-template <typename T>
-__device__ void add_bias(const T* __restrict__ x, const T* __restrict__ b, T* __restrict__ out, long n, int cols) {
-  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-    out[i] = from_f32<T>(to_f32(x[i]) + to_f32(b[i % cols]));
+// V consecutive elements through one 16-byte access when VEC (V = 16 / sizeof(T)).
+template <typename T, bool VEC> struct Chunk {
+  static constexpr int V = VEC ? 16 / sizeof(T) : 1;
+  T v[V];
+  __device__ __forceinline__ void load(const T* p) {
+    if (VEC) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+    else v[0] = p[0];
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    if (VEC) *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+    else p[0] = v[0];
+  }
+};
+
+// Rows strided over grid y, a row's chunks over grid x (no division per element).
+template <typename T, bool VEC>
+__device__ void add_bias(const T* __restrict__ x, const T* __restrict__ b, T* __restrict__ out, long rows,
+                         int cols) {
+  using C = Chunk<T, VEC>;
+  const int chunks = cols / C::V;
+  for (long row = blockIdx.y; row < rows; row += gridDim.y) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += gridDim.x * blockDim.x) {
+      C xv, bv;
+      xv.load(x + row * cols + c * C::V);
+      bv.load(b + c * C::V);
+#pragma unroll
+      for (int e = 0; e < C::V; ++e) xv.v[e] = from_f32<T>(to_f32(xv.v[e]) + to_f32(bv.v[e]));
+      xv.store(out + row * cols + c * C::V);
+    }
   }
 }
 
@@ -62,13 +88,21 @@ __device__ void split_heads(const T* __restrict__ qkv, T* __restrict__ out, int 
   }
 }
 
-// quick_gelu: x · sigmoid(1.702 x), each op rounded as transformers' bf16 ops round.
-template <typename T>
-__device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long n) {
-  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-    const float v = to_f32(x[i]);
-    const float a = r<T>(1.702f * v);
-    out[i] = from_f32<T>(v * r<T>(1.f / (1.f + expf(-a))));
+// quick_gelu: x · sigmoid(1.702 x), each op rounded as transformers' bf16 ops round; n is
+// counted in chunks.
+template <typename T, bool VEC>
+__device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long chunks) {
+  using C = Chunk<T, VEC>;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (long)gridDim.x * blockDim.x) {
+    C c;
+    c.load(x + i * C::V);
+#pragma unroll
+    for (int e = 0; e < C::V; ++e) {
+      const float v = to_f32(c.v[e]);
+      const float a = r<T>(1.702f * v);
+      c.v[e] = from_f32<T>(v * r<T>(1.f / (1.f + expf(-a))));
+    }
+    c.store(out + i * C::V);
   }
 }
 
@@ -81,9 +115,17 @@ __device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long n)
                                                   int hd) {                                                  \
     split_heads<T>(qkv, out, batch, n, np, heads, hd);                                                       \
   }                                                                                                          \
-  extern "C" __global__ void quick_gelu_##suffix(const T* x, T* out, long n) { quick_gelu<T>(x, out, n); }   \
-  extern "C" __global__ void add_bias_##suffix(const T* x, const T* b, T* out, long n, int cols) {            \
-    add_bias<T>(x, b, out, n, cols);                                                                         \
+  extern "C" __global__ void quick_gelu_##suffix(const T* x, T* out, long n) {                              \
+    quick_gelu<T, false>(x, out, n);                                                                         \
+  }                                                                                                          \
+  extern "C" __global__ void quick_gelu_vec_##suffix(const T* x, T* out, long chunks) {                      \
+    quick_gelu<T, true>(x, out, chunks);                                                                     \
+  }                                                                                                          \
+  extern "C" __global__ void add_bias_##suffix(const T* x, const T* b, T* out, long rows, int cols) {         \
+    add_bias<T, false>(x, b, out, rows, cols);                                                               \
+  }                                                                                                          \
+  extern "C" __global__ void add_bias_vec_##suffix(const T* x, const T* b, T* out, long rows, int cols) {     \
+    add_bias<T, true>(x, b, out, rows, cols);                                                                \
   }
 
 FUSED(f32, float)

@@ -65,6 +65,14 @@ fn sync(device: &Device) -> anyhow::Result<()> {
     Ok(device.synchronize()?)
 }
 
+/// ‖a − b‖ / ‖b‖ in f32.
+fn rel_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    let den = b.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -172,6 +180,16 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
             }
         }
         let secs = median(times);
+        // The same prompt without flash attention: the last position's logits must agree.
+        let flash_vs_dense = if mmserve_models::flash_attention_enabled() && device.is_cuda() {
+            let with = llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
+            mmserve_models::set_flash_attention(false);
+            let without = llama.forward_paged(&embeds, &seqs, &mut kv, false);
+            mmserve_models::set_flash_attention(true);
+            Some(rel_diff(&with, &without?)?)
+        } else {
+            None
+        };
         let n = b.prefill as f64;
         let attn = 4.0 * t.num_hidden_layers as f64 * (t.num_attention_heads * t.head_dim) as f64 * n * (n + 1.0) / 2.0;
         // Logits of the last position only.
@@ -179,7 +197,8 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         note(
             &mut rows,
             json!({"prefill_tokens": b.prefill, "seconds": secs, "tokens_per_s": n / secs,
-                   "tflops": flops / secs / 1e12, "peak_share": flops / secs / b.peak_flops}),
+                   "tflops": flops / secs / 1e12, "peak_share": flops / secs / b.peak_flops,
+                   "flash_vs_dense_l2_rel": flash_vs_dense}),
         );
     }
 
@@ -207,11 +226,21 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
                 }
             }
             let secs = median(times);
+            let flash_vs_dense = if mmserve_models::flash_attention_enabled() && device.is_cuda() {
+                let with = vision.encode(&pixels)?;
+                mmserve_models::set_flash_attention(false);
+                let without = vision.encode(&pixels);
+                mmserve_models::set_flash_attention(true);
+                Some(rel_diff(&with, &without?)?)
+            } else {
+                None
+            };
             let flops = per_image * n as f64;
             note(
                 &mut rows,
                 json!({"vision_batch": n, "images_per_s": n as f64 / secs, "seconds": secs,
-                       "tflops": flops / secs / 1e12, "peak_share": flops / secs / b.peak_flops}),
+                       "tflops": flops / secs / 1e12, "peak_share": flops / secs / b.peak_flops,
+                       "flash_vs_dense_l2_rel": flash_vs_dense}),
             );
         }
     }
@@ -240,10 +269,11 @@ fn print_table(rows: &[serde_json::Value]) {
             );
         } else if let Some((label, rate, unit)) = compute {
             println!(
-                "{label} {rate:>9.1} {unit}  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak)",
+                "{label} {rate:>9.1} {unit}  {:>8.2} ms  {:>7.1} TFLOP/s  ({:>5.1}% of peak){}",
                 1e3 * f(r, "seconds"),
                 f(r, "tflops"),
-                100.0 * f(r, "peak_share")
+                100.0 * f(r, "peak_share"),
+                r["flash_vs_dense_l2_rel"].as_f64().map(|d| format!("  flash vs dense: L2 {d:.2e}")).unwrap_or_default()
             );
         } else {
             println!("{r}");
@@ -318,6 +348,8 @@ fn parity(
     fused_differing.extend(mmserve_models::arena_rows_self_test(&device)?);
     fused_differing.extend(mmserve_models::sampling_self_test(&device)?);
     fused_differing.extend(mmserve_models::skinny_self_test(&device)?);
+    fused_differing.extend(mmserve_models::flash_attention_self_test(&device)?);
+    fused_differing.extend(mmserve_models::layer_norm_self_test(&device)?);
     // Greedy with the KV cache, as generate() runs: contiguous, then paged (our decode
     // attention kernel on a GPU).
     let want_ids: Vec<u32> = get("generated_ids")?.to_dtype(DType::U32)?.to_vec1()?;

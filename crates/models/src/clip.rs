@@ -11,7 +11,7 @@
 //! only feeds the pooled output, which LLaVA does not use, so it is never loaded.
 
 use candle_core::{Module, Tensor};
-use candle_nn::LayerNorm;
+use crate::layer_norm::LayerNorm;
 
 use crate::linear::Linear;
 use mmserve_config::ClipVisionConfig;
@@ -50,8 +50,8 @@ impl EncoderLayer {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = self.self_attn.forward(&self.layer_norm1.forward(x)?, None)?;
-        let x = (x + h)?;
-        let h = self.fc1.forward(&self.layer_norm2.forward(&x)?)?;
+        let (x, normed) = self.layer_norm2.add_forward(x, &h)?;
+        let h = self.fc1.forward(&normed)?;
         let h = self.fc2.forward(&self.act.apply(&h)?)?;
         x + h
     }

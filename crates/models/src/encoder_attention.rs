@@ -6,6 +6,7 @@
 use candle_core::{DType, Module, Tensor};
 
 use crate::ModelError;
+use crate::flash_attention;
 use crate::fused::{scaled_softmax_cols, split_heads};
 use crate::linear::Linear;
 use crate::weights::Scope;
@@ -61,6 +62,15 @@ impl SelfAttention {
     /// [B, heads, N, N]: 0 for visible keys, -inf for hidden ones).
     pub(crate) fn forward(&self, x: &Tensor, key_mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let (b, n, d) = x.dims3()?;
+        if let Projections::Stacked(qkv) = &self.proj
+            && key_mask.is_none()
+            && flash_attention::supported(x.device(), x.dtype(), d / self.num_heads)
+        {
+            // Straight from the GEMM's output to the rows out_proj takes.
+            let qkv = qkv.forward(&x.reshape((b * n, d))?)?;
+            let out = flash_attention::packed(&qkv, b, n, self.num_heads, self.scale as f32)?;
+            return self.out_proj.forward(&out)?.reshape((b, n, d));
+        }
         let fused = x.device().is_cuda() && key_mask.is_none();
         let (q, k, v) = match &self.proj {
             Projections::Stacked(qkv) => {

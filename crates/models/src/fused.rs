@@ -153,20 +153,26 @@ impl CustomOp2 for AddBias {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (n, cols) = bias_dims(lx, lb)?;
         let dev = x.device().clone();
-        let (n_arg, cols_arg) = (n as i64, i32::try_from(cols).map_err(candle_core::Error::wrap)?);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let rows = n / cols.max(1);
+        let (rows_arg, cols_arg) = (rows as i64, i32::try_from(cols).map_err(candle_core::Error::wrap)?);
         let out = by_float!(x.dtype(), "add_bias", |T, SUFFIX| {
+            // 16-byte chunks when rows and both starts align to them.
+            let v = 16 / std::mem::size_of::<T>();
+            let vec = [cols, lx.start_offset(), lb.start_offset()].iter().all(|a| a.is_multiple_of(v));
+            let chunks = if vec { cols / v } else { cols };
+            let cfg = LaunchConfig {
+                grid_dim: (chunks.div_ceil(256) as u32, rows.clamp(1, 65_535) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let name = format!("add_bias{}_{SUFFIX}", if vec { "_vec" } else { "" });
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
             let b = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
-            // SAFETY: the grid-stride loop writes every element.
+            // SAFETY: the grid-stride loops write every element.
             let mut out = unsafe { dev.alloc::<T>(n)? };
-            let func = dev.get_or_load_custom_func(&format!("add_bias_{SUFFIX}"), "mmserve_fused", PTX)?;
+            let func = dev.get_or_load_custom_func(&name, "mmserve_fused", PTX)?;
             let mut builder = func.builder();
-            builder.arg(&x).arg(&b).arg(&mut out).arg(&n_arg).arg(&cols_arg);
+            builder.arg(&x).arg(&b).arg(&mut out).arg(&rows_arg).arg(&cols_arg);
             // SAFETY: reads n elements of x and cols of b, writes n of out.
             unsafe { builder.launch(cfg) }.w()?;
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
@@ -327,17 +333,21 @@ impl CustomOp1 for QuickGelu {
         }
         let n = l.shape().elem_count();
         let dev = x.device().clone();
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let n_arg = n as i64;
         let out = by_float!(x.dtype(), "quick_gelu", |T, SUFFIX| {
+            let v = 16 / std::mem::size_of::<T>();
+            let vec = n.is_multiple_of(v) && l.start_offset().is_multiple_of(v);
+            let chunks = if vec { n / v } else { n };
+            let cfg = LaunchConfig {
+                grid_dim: (chunks.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let n_arg = chunks as i64;
+            let name = format!("quick_gelu{}_{SUFFIX}", if vec { "_vec" } else { "" });
             let x = x.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             // SAFETY: the grid-stride loop writes every element.
             let mut out = unsafe { dev.alloc::<T>(n)? };
-            let func = dev.get_or_load_custom_func(&format!("quick_gelu_{SUFFIX}"), "mmserve_fused", PTX)?;
+            let func = dev.get_or_load_custom_func(&name, "mmserve_fused", PTX)?;
             let mut b = func.builder();
             b.arg(&x).arg(&mut out).arg(&n_arg);
             // SAFETY: reads and writes n elements.
@@ -365,8 +375,15 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
     let mut bad = Vec::new();
     // (rows, cols, causal)
     type Case = (usize, usize, Option<(usize, usize)>);
-    let cases: [Case; 5] =
-        [(7, 5, None), (64, 577, None), (6, 9, Some((3, 6))), (2 * 37, 37, Some((37, 0))), (4, 2100, Some((2, 2098)))];
+    // The last: rows of 16-byte chunks in every dtype (the vectorised bias and activation).
+    let cases: [Case; 6] = [
+        (7, 5, None),
+        (64, 577, None),
+        (6, 9, Some((3, 6))),
+        (2 * 37, 37, Some((37, 0))),
+        (4, 2100, Some((2, 2098))),
+        (5, 1024, None),
+    ];
     for (i, &(rows, cols, causal)) in cases.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let x = (Tensor::randn(0f32, 3.0, (rows, cols), &Device::Cpu)?).to_dtype(dtype)?;

@@ -13,6 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::ModelError;
+use crate::flash_attention::{self, PagedTable};
 use crate::kv_write::write_kv;
 use crate::llama::Llama;
 use crate::paged_attention::{DecodeTables, paged_decode};
@@ -164,6 +165,14 @@ enum DecodeAttention {
     Gathered(DecodeBatch),
 }
 
+/// How a sequence's prefill chunk finds its keys and values.
+enum SeqKeys {
+    /// Read in place by flash attention through the table (the GPU, 16-bit models).
+    Flash(PagedTable),
+    /// Gathered from the blocks of this table (on the device), then dense attention.
+    Gather(Tensor),
+}
+
 /// A step of decodes, batched: block tables padded to `width` blocks ([B · width]) and
 /// the mask that hides the padding and the unwritten rows ([B, 1, 1, width · block_size]).
 struct DecodeBatch {
@@ -234,11 +243,18 @@ impl Llama {
         }
         let device = self.device().clone();
         let slots = kv.slots(seqs, &device)?;
+        // Prefill chunks on the GPU attend through flash attention over the pool when the
+        // kernel covers the model (no gather); otherwise over their gathered blocks.
+        let flash = flash_attention::supported(&device, self.dtype(), cfg.head_dim) && kv.dtype() == self.dtype();
         let tables = seqs
             .iter()
             .map(|s| {
-                let used = (s.start + s.new_tokens).div_ceil(kv.block_size);
-                Tensor::new(&s.block_table[..used], &device)
+                let blocks = &s.block_table[..(s.start + s.new_tokens).div_ceil(kv.block_size)];
+                Ok(if flash {
+                    SeqKeys::Flash(PagedTable::new(blocks, &device)?)
+                } else {
+                    SeqKeys::Gather(Tensor::new(blocks, &device)?)
+                })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
@@ -300,9 +316,15 @@ impl Llama {
                         offset += s.new_tokens;
                         continue;
                     }
-                    let (k, v) = kv.gather(layer, table, s.start + s.new_tokens)?;
-                    let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
-                    outs.push(attn.attend(&q.narrow(0, offset, s.new_tokens)?, &k, &v, s.start)?);
+                    let q = q.narrow(0, offset, s.new_tokens)?;
+                    outs.push(match table {
+                        SeqKeys::Flash(t) => flash_attention::paged(&q, &kv.k[layer], &kv.v[layer], t, s.start, attn.scale())?,
+                        SeqKeys::Gather(table) => {
+                            let (k, v) = kv.gather(layer, table, s.start + s.new_tokens)?;
+                            let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
+                            attn.attend(&q, &k, &v, s.start)?
+                        }
+                    });
                     offset += s.new_tokens;
                 }
                 Tensor::cat(&outs, 0)

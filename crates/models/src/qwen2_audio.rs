@@ -13,7 +13,7 @@
 //! clips are padded to 30 s, and every row would attend to the padding.
 
 use candle_core::{Device, Module, Tensor};
-use candle_nn::LayerNorm;
+use crate::layer_norm::LayerNorm;
 
 use crate::linear::Linear;
 use mmserve_config::{AudioEncoderConfig, ModelConfig, ModelDir, Qwen2AudioConfig, audio_token_count};
@@ -81,8 +81,9 @@ impl EncoderLayer {
     }
 
     fn forward(&self, x: &Tensor, key_mask: &Tensor) -> candle_core::Result<Tensor> {
-        let h = (x + self.self_attn.forward(&self.self_attn_layer_norm.forward(x)?, Some(key_mask))?)?;
-        let m = self.fc2.forward(&self.act.apply(&self.fc1.forward(&self.final_layer_norm.forward(&h)?)?)?)?;
+        let a = self.self_attn.forward(&self.self_attn_layer_norm.forward(x)?, Some(key_mask))?;
+        let (h, normed) = self.final_layer_norm.add_forward(x, &a)?;
+        let m = self.fc2.forward(&self.act.apply(&self.fc1.forward(&normed)?)?)?;
         h + m
     }
 }

@@ -18,10 +18,11 @@
 //! with [`parse_dtype`].
 
 use candle_core::{DType, Device, Shape, Tensor};
-use candle_nn::{LayerNorm, RmsNorm, VarBuilder};
+use candle_nn::{RmsNorm, VarBuilder};
 use mmserve_config::WeightFiles;
 
 use crate::ModelError;
+use crate::layer_norm::LayerNorm;
 use crate::linear::Linear;
 
 /// Which tensor naming scheme a checkpoint uses.

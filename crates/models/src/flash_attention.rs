@@ -1,0 +1,521 @@
+//! Flash attention on the GPU (`kernels/flash_attention.cu`; Dao et al. 2022,
+//! "FlashAttention", FlashAttention-2's loop order): softmax(scale · q·kᵀ)·v with the scores
+//! kept in registers, tensor cores for both products, bf16 or f16 with head dims 64 and 128
+//! ([`supported`]). Two callers:
+//!
+//! - the encoders ([`packed`]): q, k and v side by side in the stacked q/k/v GEMM's output
+//!   `[B·N, 3·H·hd]`, every query over every key of its item. It replaces the head split,
+//!   two batched GEMMs, the softmax over a materialised score matrix and the transpose back.
+//! - prefill over the paged pool ([`paged`]): a sequence's new queries over its cached and
+//!   new keys, causal, read through its block table with no gather of the blocks.
+//!
+//! Each op's CPU twin is a plain two-pass softmax in f32, the reference the kernel is tested
+//! against ([`self_test`]); the model code calls the ops on the GPU only.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
+
+use crate::ModelError;
+use crate::dispatch::cpu_float;
+use crate::elem::FromF32;
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::WrapErr;
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, sys};
+
+/// Whether the kernel covers this dtype and head dim on this device, and is switched on:
+/// `MMSERVE_FLASH=0` or [`set_enabled`] turn it off (the GEMM-and-softmax path), so that
+/// benchmarks can weigh and compare one against the other.
+pub(crate) fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    enabled() && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
+}
+
+/// 0: not set (`MMSERVE_FLASH` decides), 1: on, 2: off.
+static SWITCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+fn enabled() -> bool {
+    match SWITCH.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("MMSERVE_FLASH").map_or(true, |v| v != "0");
+            SWITCH.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+            on
+        }
+        s => s == 1,
+    }
+}
+
+/// Turns flash attention on or off for the whole process (benchmarks only).
+pub fn set_enabled(on: bool) {
+    SWITCH.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether flash attention is switched on (whether or not a model uses it).
+pub fn is_enabled() -> bool {
+    enabled()
+}
+
+/// `body` with `T` the element type of a 16-bit float `dtype` and `SUFFIX` its name in
+/// the kernels' names; other dtypes are an error.
+#[cfg(feature = "cuda")]
+macro_rules! by_half {
+    ($dtype:expr, |$t:ident, $suffix:ident| $body:expr) => {
+        match $dtype {
+            DType::BF16 => {
+                type $t = half::bf16;
+                const $suffix: &str = "bf16";
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                const $suffix: &str = "f16";
+                $body
+            }
+            other => candle_core::bail!("flash attention: unsupported dtype {other:?}"),
+        }
+    };
+}
+
+/// Loads `{prefix}_{suffix}_{head_dim}`, lets it take the shared memory it needs, and the
+/// grid: a CTA per 64 queries (`FA_BR`), head and batch row.
+#[cfg(feature = "cuda")]
+fn load(
+    dev: &candle_core::CudaDevice,
+    g: &Geometry,
+    name: &str,
+) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
+    const ROWS: usize = 64; // FA_BR
+    const KEYS: usize = 64; // FA_BC
+    if !matches!(g.head_dim, 64 | 128) {
+        candle_core::bail!("flash attention: head dim {} (64 or 128 are compiled)", g.head_dim);
+    }
+    let func = dev.get_or_load_custom_func(name, "mmserve_flash_attention", PTX)?;
+    // K and V tiles, double-buffered, rows padded by 8 (`fa_smem_bytes`).
+    let smem = 2 * 2 * KEYS * (g.head_dim + 8) * 2;
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    func.set_attribute(attr, smem as i32).w()?;
+    let cfg = LaunchConfig {
+        grid_dim: (g.n_q.div_ceil(ROWS) as u32, g.heads as u32, g.batch as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    Ok((func.into_cuda_function(), cfg))
+}
+
+/// Queries, keys and outputs of one launch, as the kernel and its twin see them.
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    batch: usize,
+    n_q: usize,
+    n_k: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Causal: query i sees keys `..= past + i`.
+    past: Option<usize>,
+}
+
+/// The f32 reference: out `[batch, n_q, heads, head_dim]` from row accessors `q(b, i, h)`,
+/// `kv(b, j, kv_head)` (the offset of a row of `k` and of `v`).
+fn reference<T: FromF32>(
+    g: &Geometry,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    q_at: impl Fn(usize, usize, usize) -> usize,
+    kv_at: impl Fn(usize, usize, usize) -> usize,
+    scale: f32,
+) -> Vec<T> {
+    let hd = g.head_dim;
+    let group = g.heads / g.kv_heads;
+    let mut out = Vec::with_capacity(g.batch * g.n_q * g.heads * hd);
+    let mut acc = vec![0f32; hd];
+    for b in 0..g.batch {
+        for i in 0..g.n_q {
+            let visible = g.past.map_or(g.n_k, |p| g.n_k.min(p + i + 1));
+            for h in 0..g.heads {
+                let qrow = &q[q_at(b, i, h)..][..hd];
+                let scores: Vec<f32> = (0..visible)
+                    .map(|j| {
+                        let krow = &k[kv_at(b, j, h / group)..][..hd];
+                        scale * qrow.iter().zip(krow).map(|(&a, &c)| a.into() * c.into()).sum::<f32>()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let (mut total, w): (f32, Vec<f32>) = (0.0, scores.iter().map(|s| (s - max).exp()).collect());
+                acc.fill(0.0);
+                for (j, &wj) in w.iter().enumerate() {
+                    total += wj;
+                    for (a, &x) in acc.iter_mut().zip(&v[kv_at(b, j, h / group)..][..hd]) {
+                        *a += wj * x.into();
+                    }
+                }
+                out.extend(acc.iter().map(|&a| T::from_f32(if total > 0.0 { a / total } else { 0.0 })));
+            }
+        }
+    }
+    out
+}
+
+/// The encoder's op over `qkv` [B·N, 3·H·hd] → [B·N, H·hd].
+struct Packed {
+    batch: usize,
+    n: usize,
+    heads: usize,
+    scale: f32,
+}
+
+impl Packed {
+    fn geometry(&self, l: &Layout) -> candle_core::Result<Geometry> {
+        let (rows, cols) = l.shape().dims2()?;
+        let width = cols / 3;
+        if rows != self.batch * self.n || cols != 3 * width || self.heads == 0 || !width.is_multiple_of(self.heads) {
+            candle_core::bail!("flash packed: qkv {:?} is not [{} · {}, 3 · heads · hd]", l.shape(), self.batch, self.n);
+        }
+        if !l.is_contiguous() {
+            candle_core::bail!("flash packed: qkv must be contiguous");
+        }
+        let head_dim = width / self.heads;
+        Ok(Geometry {
+            batch: self.batch,
+            n_q: self.n,
+            n_k: self.n,
+            heads: self.heads,
+            kv_heads: self.heads,
+            head_dim,
+            past: None,
+        })
+    }
+}
+
+impl CustomOp1 for Packed {
+    fn name(&self) -> &'static str {
+        "flash_packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = self.geometry(l)?;
+        let (n, width, o) = (g.n_q, g.heads * g.head_dim, l.start_offset());
+        let row = |b: usize, i: usize| (b * n + i) * 3 * width;
+        let out = cpu_float!("flash_packed", (s) => {
+            let s = &s[o..];
+            reference(&g, s, &s[width..], &s[2 * width..], |b, i, h| row(b, i) + h * g.head_dim,
+                |b, j, h| row(b, j) + h * g.head_dim, self.scale)
+        });
+        Ok((out, Shape::from((g.batch * n, width))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let g = self.geometry(l)?;
+        let width = g.heads * g.head_dim;
+        let (q_row, q_batch) = (3 * width as i64, (g.n_q * 3 * width) as i64);
+        let (o_row, o_batch) = (width as i64, (g.n_q * width) as i64);
+        let dev = s.device().clone();
+        let (n, group, past) = (g.n_q as i32, 1i32, -1i32);
+        let scale = self.scale * std::f32::consts::LOG2_E;
+        let out = by_half!(s.dtype(), |T, SUFFIX| {
+            let (func, cfg) = load(&dev, &g, &format!("flash_dense_{SUFFIX}_{}", g.head_dim))?;
+            let qkv = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            let (k, v) = (qkv.slice(width..), qkv.slice(2 * width..));
+            // SAFETY: the kernel writes every row of every head.
+            let mut out = unsafe { dev.alloc::<T>(g.batch * g.n_q * width)? };
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&qkv).arg(&q_batch).arg(&q_row).arg(&k).arg(&v).arg(&q_batch).arg(&q_row);
+            b.arg(&mut out).arg(&o_batch).arg(&o_row).arg(&n).arg(&n).arg(&group).arg(&past).arg(&scale);
+            // SAFETY: rows `b · N + i < B · N` of qkv at columns below 3 · width are read,
+            // rows of out [B · N, width] written; `geometry` checked the shapes.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, Shape::from((g.batch * g.n_q, width))))
+    }
+}
+
+/// One sequence's block table on the device, checked once for all the layers of a step.
+pub(crate) struct PagedTable {
+    table: Tensor,
+    blocks: usize,
+    max_block: u32,
+}
+
+impl PagedTable {
+    pub(crate) fn new(blocks: &[u32], device: &Device) -> candle_core::Result<Self> {
+        let max_block = blocks.iter().copied().max().unwrap_or(0);
+        Ok(PagedTable { table: Tensor::new(blocks, device)?, blocks: blocks.len(), max_block })
+    }
+}
+
+/// Prefill's op: `q` [n, H, hd] over the pool's `k`, `v` [num_blocks, kv_heads, block_size,
+/// hd] through `table`, causal after `past` cached tokens → [n, H · hd].
+struct Paged<'a> {
+    table: &'a PagedTable,
+    past: usize,
+    scale: f32,
+}
+
+impl Paged<'_> {
+    fn geometry(&self, lq: &Layout, lk: &Layout, lv: &Layout) -> candle_core::Result<(Geometry, usize)> {
+        let (n_q, heads, head_dim) = lq.shape().dims3()?;
+        let (blocks, kv_heads, block_size, kd) = lk.shape().dims4()?;
+        if lk.shape() != lv.shape() || kd != head_dim || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            candle_core::bail!("flash paged: q {:?}, k {:?}, v {:?} do not fit", lq.shape(), lk.shape(), lv.shape());
+        }
+        if !lq.is_contiguous() || !lk.is_contiguous() || !lv.is_contiguous() {
+            candle_core::bail!("flash paged needs contiguous tensors");
+        }
+        let n_k = self.past + n_q;
+        if block_size == 0 || self.table.blocks * block_size < n_k || self.table.max_block as usize >= blocks {
+            candle_core::bail!(
+                "flash paged: a table of {} blocks (largest {}) for {n_k} keys in a pool of {blocks} blocks of {block_size}",
+                self.table.blocks,
+                self.table.max_block
+            );
+        }
+        let g = Geometry { batch: 1, n_q, n_k, heads, kv_heads, head_dim, past: Some(self.past) };
+        Ok((g, block_size))
+    }
+}
+
+impl CustomOp3 for Paged<'_> {
+    fn name(&self) -> &'static str {
+        "flash_paged"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &Layout,
+        k: &CpuStorage,
+        lk: &Layout,
+        v: &CpuStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (g, bs) = self.geometry(lq, lk, lv)?;
+        let table: Vec<u32> = self.table.table.to_vec1()?;
+        let hd = g.head_dim;
+        let (oq, ok, ov) = (lq.start_offset(), lk.start_offset(), lv.start_offset());
+        let kv_at = |_: usize, j: usize, h: usize| ((table[j / bs] as usize * g.kv_heads + h) * bs + j % bs) * hd;
+        let out = cpu_float!("flash_paged", (q, k, v) => reference(&g, &q[oq..], &k[ok..], &v[ov..],
+            |_, i, h| (i * g.heads + h) * hd, kv_at, self.scale));
+        Ok((out, Shape::from((g.n_q, g.heads * hd))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (g, bs) = self.geometry(lq, lk, lv)?;
+        let (ts, tl) = self.table.table.storage_and_layout();
+        let candle_core::Storage::Cuda(ts) = &*ts else { candle_core::bail!("flash paged: the table is not on the GPU") };
+        let table = ts.as_cuda_slice::<u32>()?.slice(tl.start_offset()..);
+        let dev = q.device().clone();
+        let row = (g.heads * g.head_dim) as i64;
+        let (bs, kvh, n_q, n_k) = (bs as i32, g.kv_heads as i32, g.n_q as i32, g.n_k as i32);
+        let (group, past) = ((g.heads / g.kv_heads) as i32, self.past as i32);
+        let scale = self.scale * std::f32::consts::LOG2_E;
+        let out = by_half!(q.dtype(), |T, SUFFIX| {
+            let (func, cfg) = load(&dev, &g, &format!("flash_paged_{SUFFIX}_{}", g.head_dim))?;
+            let q = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+            let k = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
+            let v = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+            // SAFETY: the kernel writes every row of every head.
+            let mut out = unsafe { dev.alloc::<T>(g.n_q * g.heads * g.head_dim)? };
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&q).arg(&row).arg(&k).arg(&v).arg(&table).arg(&bs).arg(&kvh).arg(&mut out).arg(&row);
+            b.arg(&n_q).arg(&n_k).arg(&group).arg(&past).arg(&scale);
+            // SAFETY: q [n, H, hd] and out [n, H · hd] are read and written within their
+            // rows; the pool is read only in the blocks the table names for keys < n_k, which
+            // `geometry` checked against the pool and the table's length.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, Shape::from((g.n_q, g.heads * g.head_dim))))
+    }
+}
+
+/// `softmax(scale · q·kᵀ)·v` of the encoder: `qkv` [B·N, 3·H·hd] (q, k and v side by side)
+/// → [B·N, H·hd], every query over every key of its item.
+pub(crate) fn packed(qkv: &Tensor, batch: usize, n: usize, heads: usize, scale: f32) -> candle_core::Result<Tensor> {
+    qkv.apply_op1_no_bwd(&Packed { batch, n, heads, scale })
+}
+
+/// Prefill attention of one sequence: `q` [n, H, hd] at positions `past..past + n` over the
+/// pool's `k`, `v` [num_blocks, kv_heads, block_size, hd] through `table` → [n, H · hd].
+pub(crate) fn paged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &PagedTable,
+    past: usize,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    q.contiguous()?.apply_op3_no_bwd(k, v, &Paged { table, past, scale })
+}
+
+/// Runs both ops on `device` against their CPU twins on random inputs (odd lengths, the
+/// last query tile nearly empty, grouped heads, a shuffled block table, cached tokens
+/// before the new ones) in bf16 and f16: a line per case whose results differ by more than
+/// the output's rounding. Blocks outside the table and the slots past the last key hold
+/// NaN, so a read of either shows.
+pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+    let mut bad = Vec::new();
+    let mut seed = 0x5EED_F1A5_u64;
+    let mut uniform = move |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 11) as f32 / (1u64 << 53) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    };
+    for dtype in [DType::BF16, DType::F16] {
+        // (batch, n, heads, head_dim)
+        for (i, &(batch, n, heads, hd)) in [(2, 77, 3, 64), (1, 130, 2, 128), (3, 5, 1, 64)].iter().enumerate() {
+            let x = uniform(batch * n * 3 * heads * hd);
+            let run = |dev: &Device| -> Result<Vec<f32>, ModelError> {
+                let qkv = Tensor::from_slice(&x, (batch * n, 3 * heads * hd), dev)?.to_dtype(dtype)?;
+                let out = packed(&qkv, batch, n, heads, (hd as f32).powf(-0.5))?;
+                Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+            };
+            if let Some(line) = judge(&run(device)?, &run(&Device::Cpu)?, dtype) {
+                bad.push(format!("packed case {i} {dtype:?}: {line}"));
+            }
+        }
+        // (new queries, cached tokens, heads, kv heads, head_dim, block_size)
+        let cases: [(usize, usize, usize, usize, usize, usize); 4] = [(70, 0, 4, 2, 128, 16), (33, 100, 2, 1, 64, 16), (130, 5, 4, 4, 128, 32), (1, 20, 2, 2, 64, 16)];
+        for (i, &(n, past, heads, kv_heads, hd, bs)) in cases.iter().enumerate() {
+            let used = (past + n).div_ceil(bs);
+            // Block 0 and the last block are in no table; the table runs backwards.
+            let blocks = used + 2;
+            let table: Vec<u32> = (1..=used as u32).rev().collect();
+            let pool_len = blocks * kv_heads * bs * hd;
+            let poison = |mut v: Vec<f32>| {
+                let block = kv_heads * bs * hd;
+                v[..block].fill(f32::NAN);
+                v[(blocks - 1) * block..].fill(f32::NAN);
+                // Slots of the last used block past the last key.
+                let (last, fill) = (table[used - 1] as usize, (past + n) - (used - 1) * bs);
+                for h in 0..kv_heads {
+                    let at = (last * kv_heads + h) * bs;
+                    v[(at + fill) * hd..(at + bs) * hd].fill(f32::NAN);
+                }
+                v
+            };
+            let (q, k, v) = (uniform(n * heads * hd), poison(uniform(pool_len)), poison(uniform(pool_len)));
+            let run = |dev: &Device| -> Result<Vec<f32>, ModelError> {
+                let pool = |x: &[f32]| -> Result<Tensor, ModelError> {
+                    Ok(Tensor::from_slice(x, (blocks, kv_heads, bs, hd), dev)?.to_dtype(dtype)?)
+                };
+                let q = Tensor::from_slice(&q, (n, heads, hd), dev)?.to_dtype(dtype)?;
+                let table = PagedTable::new(&table, dev)?;
+                let out = paged(&q, &pool(&k)?, &pool(&v)?, &table, past, (hd as f32).powf(-0.5))?;
+                Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+            };
+            if let Some(line) = judge(&run(device)?, &run(&Device::Cpu)?, dtype) {
+                bad.push(format!("paged case {i} {dtype:?}: {line}"));
+            }
+        }
+    }
+    Ok(bad)
+}
+
+/// `Some(why)` when `got` is off `want` by more than 2 units of the dtype's last place at
+/// the largest output (or 1), the products' inputs being rounded to it.
+fn judge(got: &[f32], want: &[f32], dtype: DType) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("{} values, expected {}", got.len(), want.len()));
+    }
+    let largest = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = got.iter().zip(want).fold(0f32, |m, (a, b)| {
+        let d = (a - b).abs();
+        if d.is_nan() { f32::INFINITY } else { m.max(d) }
+    });
+    let ulp = if dtype == DType::F16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
+    let tol = 2.0 * ulp * largest.max(1.0);
+    (worst > tol).then(|| format!("max |Δ| {worst:.3e} > {tol:.3e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The packed twin against candle's softmax(q·kᵀ·scale)·v, head by head.
+    #[test]
+    fn packed_twin_matches_candle() {
+        let dev = Device::Cpu;
+        let (b, n, h, d) = (2, 5, 3, 4);
+        let qkv = Tensor::randn(0f32, 1.0, (b * n, 3 * h * d), &dev).unwrap();
+        let got = packed(&qkv, b, n, h, 0.5).unwrap();
+        let part = |i: usize| {
+            qkv.narrow(1, i * h * d, h * d).unwrap().reshape((b, n, h, d)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap()
+        };
+        let scores = (part(0).matmul(&part(1).t().unwrap()).unwrap() * 0.5).unwrap();
+        let probs = candle_nn::ops::softmax_last_dim(&scores).unwrap();
+        let want = probs.matmul(&part(2)).unwrap().transpose(1, 2).unwrap();
+        let want = want.reshape((b * n, h * d)).unwrap();
+        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff < 1e-5, "{diff}");
+    }
+
+    /// The paged twin: causal after the cached tokens, through the table, grouped heads.
+    #[test]
+    fn paged_twin_is_causal_through_the_table() {
+        let dev = Device::Cpu;
+        let (blocks, kvh, bs, hd, heads, past, n) = (4, 1, 2, 3, 2, 3, 2);
+        let k = Tensor::randn(0f32, 1.0, (blocks, kvh, bs, hd), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (blocks, kvh, bs, hd), &dev).unwrap();
+        let q = Tensor::randn(0f32, 1.0, (n, heads, hd), &dev).unwrap();
+        let table = [3u32, 0, 2];
+        let out = paged(&q, &k, &v, &PagedTable::new(&table, &dev).unwrap(), past, 1.0).unwrap();
+        let out: Vec<Vec<f32>> = out.to_vec2().unwrap();
+        let row = |x: &Tensor, p: usize| -> Vec<f32> {
+            x.get(table[p / bs] as usize).unwrap().get(0).unwrap().get(p % bs).unwrap().to_vec1().unwrap()
+        };
+        for i in 0..n {
+            for h in 0..heads {
+                let qv: Vec<f32> = q.get(i).unwrap().get(h).unwrap().to_vec1().unwrap();
+                let keys = past + i + 1;
+                let s: Vec<f32> =
+                    (0..keys).map(|p| row(&k, p).iter().zip(&qv).map(|(a, b)| a * b).sum::<f32>()).collect();
+                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f32> = s.iter().map(|x| (x - max).exp()).collect();
+                let total: f32 = w.iter().sum();
+                for d in 0..hd {
+                    let want = (0..keys).map(|p| w[p] * row(&v, p)[d]).sum::<f32>() / total;
+                    assert!((out[i][h * hd + d] - want).abs() < 1e-5, "query {i} head {h} dim {d}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_a_table_short_of_the_keys_or_outside_the_pool() {
+        let dev = Device::Cpu;
+        let k = Tensor::zeros((2, 1, 4, 8), DType::F32, &dev).unwrap();
+        let q = Tensor::zeros((3, 1, 8), DType::F32, &dev).unwrap();
+        assert!(paged(&q, &k, &k, &PagedTable::new(&[0], &dev).unwrap(), 2, 1.0).is_err(), "5 keys, 4 slots");
+        assert!(paged(&q, &k, &k, &PagedTable::new(&[0, 2], &dev).unwrap(), 2, 1.0).is_err(), "block 2 of 2");
+        assert!(paged(&q, &k, &k, &PagedTable::new(&[1, 0], &dev).unwrap(), 2, 1.0).is_ok());
+    }
+
+    #[test]
+    fn self_test_compares_the_cpu_with_itself() {
+        assert!(self_test(&Device::Cpu).unwrap().is_empty());
+    }
+}
