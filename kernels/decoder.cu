@@ -61,24 +61,42 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   }
 }
 
-template <typename T>
+// Rows over grid y, a row's chunks of V elements over grid x (V = 16 / sizeof(T) when VEC:
+// one 16-byte load of gate and of up per chunk; no division per element).
+template <typename T, bool VEC>
 __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, long rows, int inter) {
-  const long n = rows * inter;
-  for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
-    const long row = idx / inter;
-    const int i = (int)(idx - row * inter);
-    const float g = to_f32(gu[row * 2 * inter + i]);
-    const float u = to_f32(gu[row * 2 * inter + inter + i]);
-    out[idx] = from_f32<T>(r<T>(g / (1.f + expf(-g))) * u);
+  constexpr int V = VEC ? 16 / sizeof(T) : 1;
+  const int chunks = inter / V;
+  for (long row = blockIdx.y; row < rows; row += gridDim.y) {
+    const T* g_row = gu + row * 2 * inter;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += gridDim.x * blockDim.x) {
+      T g[V], u[V], o[V];
+      if (VEC) {
+        *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(g_row + c * V);
+        *reinterpret_cast<uint4*>(u) = *reinterpret_cast<const uint4*>(g_row + inter + c * V);
+      } else {
+        g[0] = g_row[c];
+        u[0] = g_row[inter + c];
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float x = to_f32(g[e]);
+        o[e] = from_f32<T>(r<T>(x / (1.f + expf(-x))) * to_f32(u[e]));
+      }
+      if (VEC) *reinterpret_cast<uint4*>(out + row * inter + c * V) = *reinterpret_cast<const uint4*>(o);
+      else out[row * inter + c] = o[0];
+    }
   }
 }
 
-// One CTA per (token, head) of the H + 2K heads, one thread per rotated pair: a decode
-// step's single token still spreads over H + 2K CTAs.
+// One CTA per token and blockDim.y of the H + 2K heads, one thread per rotated pair: a
+// decode step's single token still spreads over H + 2K CTAs (blockDim.y = 1), while a
+// prefill's thousands of tokens take several heads per CTA.
 template <typename T>
 __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
                            T* __restrict__ out, int tokens, int heads, int kv_heads, int hd) {
-  const int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
+  const int t = blockIdx.x, head = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x;
+  if (head >= heads + 2 * kv_heads) return;
   const int half = hd / 2;
   const T* src = qkv + (long)t * (heads + 2 * kv_heads) * hd + (long)head * hd;
   T* dst;
@@ -105,7 +123,10 @@ __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos,
     add_rmsnorm<T>(x, y, w, out, rows, h, eps);                                                            \
   }                                                                                                        \
   extern "C" __global__ void silu_mul_##suffix(const T* gu, T* out, long rows, int inter) {                 \
-    silu_mul<T>(gu, out, rows, inter);                                                                     \
+    silu_mul<T, false>(gu, out, rows, inter);                                                              \
+  }                                                                                                        \
+  extern "C" __global__ void silu_mul_vec_##suffix(const T* gu, T* out, long rows, int inter) {             \
+    silu_mul<T, true>(gu, out, rows, inter);                                                               \
   }                                                                                                        \
   extern "C" __global__ void rope_split_##suffix(const T* qkv, const T* cos, const T* sin, T* out,          \
                                                  int tokens, int heads, int kv_heads, int hd) {            \

@@ -49,11 +49,10 @@ impl EncoderLayer {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.self_attn.forward(&self.layer_norm1.forward(x)?, None)?;
-        let (x, normed) = self.layer_norm2.add_forward(x, &h)?;
-        let h = self.fc1.forward(&normed)?;
-        let h = self.fc2.forward(&self.act.apply(&h)?)?;
-        x + h
+        // Both residual adds ride in the GEMM before them on the GPU (`Linear::forward_residual`).
+        let x = self.self_attn.forward(&self.layer_norm1.forward(x)?, None, Some(x))?;
+        let h = self.act.apply(&self.fc1.forward(&self.layer_norm2.forward(&x)?)?)?;
+        self.fc2.forward_residual(&h, &x)
     }
 }
 

@@ -154,17 +154,22 @@ impl CustomOp1 for SiluMul {
         let inter = two / 2;
         let dev = gu.device().clone();
         let n = rows * inter;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).min(65_535) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (rows_arg, inter_arg) = (rows as i64, inter as i32);
         let out = by_float!(gu.dtype(), "silu_mul", |T, SUFFIX| {
+            // 16-byte chunks of gate and up when the halves and the start align to them.
+            let v = 16 / std::mem::size_of::<T>();
+            let vec = inter.is_multiple_of(v) && l.start_offset().is_multiple_of(v);
+            let chunks = if vec { inter / v } else { inter };
+            let cfg = LaunchConfig {
+                grid_dim: (chunks.div_ceil(256) as u32, rows.clamp(1, 65_535) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let name = format!("silu_mul{}_{SUFFIX}", if vec { "_vec" } else { "" });
             let gu = gu.as_cuda_slice::<T>()?.slice(l.start_offset()..);
-            // SAFETY: the grid-stride loop writes every element.
+            // SAFETY: the grid-stride loops write every element.
             let mut out = unsafe { dev.alloc::<T>(n)? };
-            let func = dev.get_or_load_custom_func(&format!("silu_mul_{SUFFIX}"), "mmserve_decoder", PTX)?;
+            let func = dev.get_or_load_custom_func(&name, "mmserve_decoder", PTX)?;
             let mut b = func.builder();
             b.arg(&gu).arg(&mut out).arg(&rows_arg).arg(&inter_arg);
             // SAFETY: reads [rows, 2I], writes [rows, I].
@@ -262,7 +267,14 @@ impl CustomOp3 for RopeSplit {
         let n = lx.shape().elem_count();
         let all_heads = (self.heads + 2 * self.kv_heads) as u32;
         let threads = (self.head_dim / 2).clamp(1, 1024) as u32;
-        let cfg = LaunchConfig { grid_dim: (t as u32, all_heads, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // Few tokens (decodes): a CTA per head, so that one token fills H + 2K CTAs. Many
+        // (prefill): several heads per CTA, so that CTAs are not a few dozen threads each.
+        let per_cta = if t >= 64 { (512 / threads).clamp(1, all_heads) } else { 1 };
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, all_heads.div_ceil(per_cta), 1),
+            block_dim: (threads, per_cta, 1),
+            shared_mem_bytes: 0,
+        };
         let (t_arg, h, k, d) = (t as i32, self.heads as i32, self.kv_heads as i32, self.head_dim as i32);
         let out = by_float!(x.dtype(), "rope_split", |T, SUFFIX| {
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
@@ -350,14 +362,20 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
         let (got, want) = (add_rmsnorm(&xd, &yd, &wd, 1e-5)?, add_rmsnorm(&x, &y, &w, 1e-5)?);
         check("add_rmsnorm sum", &got.0, &want.0)?;
         check("add_rmsnorm norm", &got.1, &want.1)?;
-        let (gud, gu) = rand(&[7, 2 * 333])?;
-        check("silu_mul", &silu_mul(&gud)?, &silu_mul(&gu)?)?;
+        // Odd halves (element by element), then halves of 16-byte chunks.
+        for inter in [333, 512] {
+            let (gud, gu) = rand(&[7, 2 * inter])?;
+            check("silu_mul", &silu_mul(&gud)?, &silu_mul(&gu)?)?;
+        }
+        // Few tokens (a CTA per head), then enough for several heads per CTA.
         let dims = (6, 2, 10);
-        let ((qd, q), (cd, c), (sd, s)) = (rand(&[3, 100])?, rand(&[3, 5])?, rand(&[3, 5])?);
-        let (got, want) = (rope_split(&qd, &cd, &sd, dims)?, rope_split(&q, &c, &s, dims)?);
-        check("rope_split q", &got.0, &want.0)?;
-        check("rope_split k", &got.1, &want.1)?;
-        check("rope_split v", &got.2, &want.2)?;
+        for tokens in [3, 70] {
+            let ((qd, q), (cd, c), (sd, s)) = (rand(&[tokens, 100])?, rand(&[tokens, 5])?, rand(&[tokens, 5])?);
+            let (got, want) = (rope_split(&qd, &cd, &sd, dims)?, rope_split(&q, &c, &s, dims)?);
+            check("rope_split q", &got.0, &want.0)?;
+            check("rope_split k", &got.1, &want.1)?;
+            check("rope_split v", &got.2, &want.2)?;
+        }
     }
     Ok(bad)
 }

@@ -59,8 +59,18 @@ impl SelfAttention {
     }
 
     /// `x` [B, N, D]; `key_mask`, when given, is added to the f32 scores (broadcast to
-    /// [B, heads, N, N]: 0 for visible keys, -inf for hidden ones).
-    pub(crate) fn forward(&self, x: &Tensor, key_mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    /// [B, heads, N, N]: 0 for visible keys, -inf for hidden ones). With `residual`, returns
+    /// `residual + attention` (the add in out_proj's GEMM where it can be).
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        key_mask: Option<&Tensor>,
+        residual: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let out_proj = |out: &Tensor| match residual {
+            Some(r) => self.out_proj.forward_residual(out, r),
+            None => self.out_proj.forward(out),
+        };
         let (b, n, d) = x.dims3()?;
         if let Projections::Stacked(qkv) = &self.proj
             && key_mask.is_none()
@@ -69,7 +79,7 @@ impl SelfAttention {
             // Straight from the GEMM's output to the rows out_proj takes.
             let qkv = qkv.forward(&x.reshape((b * n, d))?)?;
             let out = flash_attention::packed(&qkv, b, n, self.num_heads, self.scale as f32)?;
-            return self.out_proj.forward(&out)?.reshape((b, n, d));
+            return out_proj(&out.reshape((b, n, d))?);
         }
         let fused = x.device().is_cuda() && key_mask.is_none();
         let (q, k, v) = match &self.proj {
@@ -99,6 +109,6 @@ impl SelfAttention {
             candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?
         };
         let out = probs.matmul(&v)?.narrow(2, 0, n)?;
-        self.out_proj.forward(&out.transpose(1, 2)?.reshape((b, n, d))?)
+        out_proj(&out.transpose(1, 2)?.reshape((b, n, d))?)
     }
 }

@@ -77,7 +77,7 @@ impl Norm<'_> {
     fn dims(&self, lx: &Layout, lw: &Layout, lb: &Layout) -> candle_core::Result<(usize, usize)> {
         let cols = lx.dims().last().copied().unwrap_or(1);
         let rows = lx.shape().elem_count() / cols.max(1);
-        let y_fits = self.y.is_none_or(|y| y.shape() == lx.shape() && y.is_contiguous());
+        let y_fits = self.y.is_none_or(|y| y.dims() == lx.dims() && y.is_contiguous());
         if !lx.is_contiguous() || lw.shape().elem_count() != cols || lb.shape().elem_count() != cols || !y_fits {
             candle_core::bail!("layer_norm: x {:?}, weight {:?}, bias {:?} do not fit", lx.shape(), lw.shape(), lb.shape());
         }
@@ -219,7 +219,8 @@ impl CustomOp3 for Norm<'_> {
 fn norm(x: &Tensor, y: Option<&Tensor>, ln: &candle_nn::LayerNorm) -> candle_core::Result<Tensor> {
     let Some(bias) = ln.bias() else { candle_core::bail!("layer_norm: no bias") };
     let cols = x.dims().last().copied().unwrap_or(1);
-    x.reshape(((), cols))?.apply_op3_no_bwd(ln.weight(), bias, &Norm { y, eps: ln.eps() as f32 })
+    let y = y.map(|y| y.reshape(((), cols))).transpose()?;
+    x.reshape(((), cols))?.apply_op3_no_bwd(ln.weight(), bias, &Norm { y: y.as_ref(), eps: ln.eps() as f32 })
 }
 
 /// Runs the kernel, with and without the residual, on `device` against its CPU twin on
@@ -276,8 +277,9 @@ mod tests {
     #[test]
     fn twin_matches_candle() {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (3, 16), &dev).unwrap();
-        let y = Tensor::randn(0f32, 1.0, (3, 16), &dev).unwrap();
+        // [1, 3, 16], as the encoders pass it.
+        let x = Tensor::randn(0f32, 1.0, (1, 3, 16), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (1, 3, 16), &dev).unwrap();
         let ln = candle_nn::LayerNorm::new(
             Tensor::randn(1f32, 0.1, 16, &dev).unwrap(),
             Tensor::randn(0f32, 0.1, 16, &dev).unwrap(),
@@ -287,9 +289,9 @@ mod tests {
             let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(d < 1e-5, "{d}");
         };
-        close(&norm(&x, None, &ln).unwrap(), &ln.forward(&x).unwrap());
+        close(&norm(&x, None, &ln).unwrap(), &ln.forward(&x).unwrap().reshape((3, 16)).unwrap());
         let both = norm(&x, Some(&y), &ln).unwrap();
-        let sum = (&x + &y).unwrap();
+        let sum = (&x + &y).unwrap().reshape((3, 16)).unwrap();
         close(&both.narrow(0, 0, 3).unwrap(), &sum);
         close(&both.narrow(0, 3, 3).unwrap(), &ln.forward(&sum).unwrap());
     }

@@ -1,12 +1,15 @@
 //! `nn.Linear` (y = x·Wᵀ + b over the last dim). On the CPU exactly candle's `Linear`
 //! (whose results the parity tests pin down). On the GPU the leading dims fold into one
 //! GEMM (not a batch of them over a broadcast weight) and the bias is added by our fused
-//! kernel: candle's broadcast add was the vision tower's largest elementwise cost. Up
-//! to 8 rows (decode steps) take our skinny kernel instead, bias included (`skinny.rs`).
+//! kernel: candle's broadcast add was the vision tower's largest elementwise cost. In
+//! 16-bit, from 32 rows, the bias (and a residual, [`Linear::forward_residual`]) ride in a
+//! cuBLASLt GEMM's epilogue instead (`gemm_epilogue.rs`). One row (decode steps) takes our
+//! skinny kernel, bias included (`skinny.rs`).
 
 use candle_core::{Module, Tensor};
 
 use crate::fused::add_bias;
+use crate::gemm_epilogue;
 
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -32,6 +35,23 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// `residual + x·Wᵀ + b`: on the GPU in 16-bit one GEMM with both in its epilogue
+    /// (`gemm_epilogue.rs`); elsewhere the layer, then the add.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {
+        let (w, dims) = (self.inner.weight(), x.dims());
+        let k = dims.last().copied().unwrap_or(1);
+        if x.device().is_cuda() {
+            let rows = x.elem_count() / k.max(1);
+            let flat = (x.reshape((rows, k))?, residual.reshape((rows, w.dim(0)?))?);
+            if let Some(y) = gemm_epilogue::linear(&flat.0, w, self.inner.bias(), Some(&flat.1))? {
+                return y.reshape(residual.shape());
+            }
+        }
+        residual + self.forward(x)?
+    }
+}
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if !x.device().is_cuda() {
@@ -40,14 +60,15 @@ impl Module for Linear {
         let (w, dims) = (self.inner.weight(), x.dims());
         let k = dims.last().copied().unwrap_or(1);
         let x = x.reshape((x.elem_count() / k.max(1), k))?;
-        let y = match crate::skinny::linear(&x, w, self.inner.bias())? {
-            Some(y) => y,
-            None => {
-                let y = x.matmul(&w.t()?)?;
-                match self.inner.bias() {
-                    Some(b) => add_bias(&y, b)?,
-                    None => y,
-                }
+        let y = if let Some(y) = crate::skinny::linear(&x, w, self.inner.bias())? {
+            y
+        } else if let Some(y) = gemm_epilogue::linear(&x, w, self.inner.bias(), None)? {
+            y
+        } else {
+            let y = x.matmul(&w.t()?)?;
+            match self.inner.bias() {
+                Some(b) => add_bias(&y, b)?,
+                None => y,
             }
         };
         let mut out = dims.to_vec();
