@@ -76,6 +76,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// 2^x by the SFU (approximate, flushing subnormals; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Shared memory a CTA needs: K and V tiles, double-buffered, rows padded by 8 elements so
 // that the 8 rows an ldmatrix reads fall in distinct banks.
 template <int HD> constexpr int fa_smem_bytes() { return 2 * 2 * FA_BC * (HD + 8) * 2; }
@@ -171,7 +178,9 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
       }
     }
 
-    // Online softmax in base 2; this lane holds rows g (e = 0, 1) and g + 8 (e = 2, 3).
+    // Online softmax in base 2 on the raw scores (scale > 0, so maxima commute with it):
+    // p = 2^(s · scale_log2 − m · scale_log2), one FFMA and one EX2 per score. This lane
+    // holds rows g (e = 0, 1) and g + 8 (e = 2, 3).
     const int kbase = t * FA_BC;
     const bool masked = kbase + FA_BC > n_k || (past >= 0 && kbase + FA_BC - 1 > past + q0);
     float mx[2] = {-INFINITY, -INFINITY};
@@ -179,13 +188,11 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
     for (int j = 0; j < FA_BC / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * scale_log2;
         if (masked) {
           const int key = kbase + 8 * j + 2 * t4 + (e & 1), row = q0 + g + ((e >> 1) << 3);
-          if (key >= n_k || (past >= 0 && key > past + row)) x = -INFINITY;
+          if (key >= n_k || (past >= 0 && key > past + row)) s[j][e] = -INFINITY;
         }
-        s[j][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
     }
     float base[2], alpha[2];
@@ -194,8 +201,8 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
       const float mnew = fmaxf(m[r], mx[r]);
-      base[r] = mnew == -INFINITY ? 0.f : mnew;  // a row with every key so far hidden
-      alpha[r] = exp2f(m[r] - base[r]);
+      base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
+      alpha[r] = fast_exp2(m[r] * scale_log2 - base[r]);
       m[r] = mnew;
       l[r] *= alpha[r];
     }
@@ -203,7 +210,7 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
     for (int j = 0; j < FA_BC / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[j][e] - base[e >> 1]);
+        const float p = fast_exp2(fmaf(s[j][e], scale_log2, -base[e >> 1]));
         s[j][e] = p;
         l[e >> 1] += p;
       }

@@ -106,6 +106,22 @@ __device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long ch
   }
 }
 
+// gelu_erf: x · Φ(x) = 0.5 x (1 + erf(x / √2)) in f32, rounded once (torch's gelu in bf16).
+template <typename T, bool VEC>
+__device__ void gelu_erf(const T* __restrict__ x, T* __restrict__ out, long chunks) {
+  using C = Chunk<T, VEC>;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (long)gridDim.x * blockDim.x) {
+    C c;
+    c.load(x + i * C::V);
+#pragma unroll
+    for (int e = 0; e < C::V; ++e) {
+      const float v = to_f32(c.v[e]);
+      c.v[e] = from_f32<T>(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
+    }
+    c.store(out + i * C::V);
+  }
+}
+
 #define FUSED(suffix, T)                                                                                       \
   extern "C" __global__ void scaled_softmax_##suffix(const T* x, T* out, long rows, int cols, float scale,  \
                                                      int causal_n, int past, int valid) {                   \
@@ -120,6 +136,10 @@ __device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long ch
   }                                                                                                          \
   extern "C" __global__ void quick_gelu_vec_##suffix(const T* x, T* out, long chunks) {                      \
     quick_gelu<T, true>(x, out, chunks);                                                                     \
+  }                                                                                                          \
+  extern "C" __global__ void gelu_erf_##suffix(const T* x, T* out, long n) { gelu_erf<T, false>(x, out, n); } \
+  extern "C" __global__ void gelu_erf_vec_##suffix(const T* x, T* out, long chunks) {                        \
+    gelu_erf<T, true>(x, out, chunks);                                                                       \
   }                                                                                                          \
   extern "C" __global__ void add_bias_##suffix(const T* x, const T* b, T* out, long rows, int cols) {         \
     add_bias<T, false>(x, b, out, rows, cols);                                                               \

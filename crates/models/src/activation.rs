@@ -33,9 +33,10 @@ impl Activation {
 
     pub fn apply(self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
+            Activation::Gelu if x.device().is_cuda() => crate::fused::gelu_erf(x),
             Activation::Gelu => x.gelu_erf(),
             Activation::GeluTanh => x.gelu(),
-            // One fused pass on the GPU (`kernels/fused.cu`), candle's three on the CPU.
+            // One pass on the GPU (`kernels/fused.cu`); candle's ops on the CPU.
             Activation::QuickGelu if x.device().is_cuda() => crate::fused::quick_gelu(x),
             Activation::QuickGelu => x * candle_nn::ops::sigmoid(&(x * 1.702)?)?,
             Activation::Silu => x.silu(),

@@ -19,6 +19,7 @@ use mmserve_config::ClipVisionConfig;
 use crate::ModelError;
 use crate::activation::Activation;
 use crate::encoder_attention::{Flavor, SelfAttention};
+use crate::patch_embed::PatchEmbed;
 use crate::weights::{Scope, Weights};
 
 struct EncoderLayer {
@@ -59,6 +60,8 @@ impl EncoderLayer {
 /// The CLIP vision transformer, with its first `num_layers` encoder layers loaded.
 pub struct ClipVisionTower {
     patch_embedding: Tensor,
+    /// On the GPU: the same conv as unfold + GEMM (`patch_embed.rs`).
+    patch_gemm: Option<PatchEmbed>,
     class_embedding: Tensor,
     position_embedding: Tensor,
     pre_layrnorm: LayerNorm,
@@ -83,8 +86,11 @@ impl ClipVisionTower {
         let layers = (0..num_layers)
             .map(|i| EncoderLayer::load(&s.pp("encoder.layers").pp(i), cfg))
             .collect::<Result<_, _>>()?;
+        let patch_embedding = emb.tensor("patch_embedding.weight", (d, cfg.num_channels, p, p))?;
+        let patch_gemm = patch_embedding.device().is_cuda().then(|| PatchEmbed::new(&patch_embedding)).transpose()?;
         Ok(ClipVisionTower {
-            patch_embedding: emb.tensor("patch_embedding.weight", (d, cfg.num_channels, p, p))?,
+            patch_embedding,
+            patch_gemm,
             class_embedding: emb.tensor("class_embedding", d)?,
             position_embedding: emb.tensor("position_embedding.weight", (positions, d))?,
             pre_layrnorm: s.layer_norm("pre_layrnorm", d, cfg.layer_norm_eps)?,
@@ -149,6 +155,10 @@ impl ClipVisionTower {
                 "pixel_values [{b}, {c}, {h}, {w}]: expected [B, {}, {size}, {size}]",
                 cfg.num_channels
             )));
+        }
+        if let Some(gemm) = &self.patch_gemm {
+            let x = gemm.forward(pixel_values, &self.class_embedding, &self.position_embedding)?;
+            return Ok(self.pre_layrnorm.forward(&x)?);
         }
         let x = pixel_values.to_dtype(self.patch_embedding.dtype())?;
         let patches = x.conv2d(&self.patch_embedding, 0, cfg.patch_size, 1, 1)?.flatten_from(2)?.transpose(1, 2)?;

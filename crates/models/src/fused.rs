@@ -295,8 +295,36 @@ pub(crate) fn split_heads(
     Ok((out.get(0)?, out.get(1)?, out.get(2)?))
 }
 
-/// CLIP's `quick_gelu`, `x · sigmoid(1.702 x)`, in one pass.
-struct QuickGelu;
+/// An activation in one pass: CLIP's `quick_gelu`, `x · sigmoid(1.702 x)`, or the exact
+/// `gelu`, `x · Φ(x)` (LLaVA's projector; one rounding, as torch's bf16 gelu).
+#[derive(Debug, Clone, Copy)]
+enum Act {
+    QuickGelu,
+    GeluErf,
+}
+
+/// The kernel's name stem and the CPU twin of each.
+impl Act {
+    fn stem(self) -> &'static str {
+        match self {
+            Act::QuickGelu => "quick_gelu",
+            Act::GeluErf => "gelu_erf",
+        }
+    }
+
+    fn reference<T: FromF32>(self, x: &[T]) -> Vec<T> {
+        match self {
+            Act::QuickGelu => quick_gelu_reference(x),
+            Act::GeluErf => x
+                .iter()
+                .map(|&v| {
+                    let v: f32 = v.into();
+                    T::from_f32(0.5 * v * (1.0 + erf(v * std::f32::consts::FRAC_1_SQRT_2)))
+                })
+                .collect(),
+        }
+    }
+}
 
 fn quick_gelu_reference<T: FromF32>(x: &[T]) -> Vec<T> {
     let r = |v: f32| -> f32 { T::from_f32(v).into() };
@@ -308,17 +336,22 @@ fn quick_gelu_reference<T: FromF32>(x: &[T]) -> Vec<T> {
         .collect()
 }
 
-impl CustomOp1 for QuickGelu {
+/// erf in f32, candle's (the CPU twin only).
+fn erf(x: f32) -> f32 {
+    candle_core::cpu::erf::erf_f32(x)
+}
+
+impl CustomOp1 for Act {
     fn name(&self) -> &'static str {
-        "quick_gelu"
+        self.stem()
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         if !l.is_contiguous() {
-            candle_core::bail!("quick_gelu: x must be contiguous");
+            candle_core::bail!("{}: x must be contiguous", self.stem());
         }
         let (o, n) = (l.start_offset(), l.shape().elem_count());
-        let out = cpu_float!("quick_gelu", (x) => quick_gelu_reference(&x[o..o + n]));
+        let out = cpu_float!("activation", (x) => self.reference(&x[o..o + n]));
         Ok((out, l.shape().clone()))
     }
 
@@ -329,11 +362,11 @@ impl CustomOp1 for QuickGelu {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         if !l.is_contiguous() {
-            candle_core::bail!("quick_gelu: x must be contiguous");
+            candle_core::bail!("{}: x must be contiguous", self.stem());
         }
         let n = l.shape().elem_count();
         let dev = x.device().clone();
-        let out = by_float!(x.dtype(), "quick_gelu", |T, SUFFIX| {
+        let out = by_float!(x.dtype(), "activation", |T, SUFFIX| {
             let v = 16 / std::mem::size_of::<T>();
             let vec = n.is_multiple_of(v) && l.start_offset().is_multiple_of(v);
             let chunks = if vec { n / v } else { n };
@@ -343,7 +376,7 @@ impl CustomOp1 for QuickGelu {
                 shared_mem_bytes: 0,
             };
             let n_arg = chunks as i64;
-            let name = format!("quick_gelu{}_{SUFFIX}", if vec { "_vec" } else { "" });
+            let name = format!("{}{}_{SUFFIX}", self.stem(), if vec { "_vec" } else { "" });
             let x = x.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             // SAFETY: the grid-stride loop writes every element.
             let mut out = unsafe { dev.alloc::<T>(n)? };
@@ -360,7 +393,12 @@ impl CustomOp1 for QuickGelu {
 
 /// `x · sigmoid(1.702 x)` (CLIP's activation).
 pub(crate) fn quick_gelu(x: &Tensor) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1_no_bwd(&QuickGelu)
+    x.contiguous()?.apply_op1_no_bwd(&Act::QuickGelu)
+}
+
+/// `x · Φ(x)`, the exact gelu.
+pub(crate) fn gelu_erf(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&Act::GeluErf)
 }
 
 /// `x + bias` with `bias` [cols] broadcast over x's rows.
@@ -399,6 +437,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             let hidden_cols = (scaled_softmax_cols(&xd, 0.37, valid)?, scaled_softmax_cols(&x, 0.37, valid)?);
             let biased = (add_bias(&xd, &bd)?, add_bias(&x, &bias)?);
             let gelu = (quick_gelu(&xd)?, quick_gelu(&x)?);
+            let gelu_erf = (gelu_erf(&xd)?, gelu_erf(&x)?);
             // [rows, cols] as [B·N, 3·H·D] with B = H = 1, when 3 divides cols.
             let split = if cols.is_multiple_of(3) {
                 let dims = (1, rows, rows.next_multiple_of(8), 1);
@@ -412,6 +451,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 ("softmax over the first columns", hidden_cols, 1.0),
                 ("bias", biased, 8.0),
                 ("quick_gelu", gelu, 8.0),
+                ("gelu_erf", gelu_erf, 8.0),
             ];
             for (what, (got, want), scale) in cases.into_iter().chain(split) {
                 let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

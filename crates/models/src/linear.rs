@@ -22,6 +22,10 @@ impl Linear {
         Linear { inner: candle_nn::Linear::new(weight, bias) }
     }
 
+    pub fn dtype(&self) -> candle_core::DType {
+        self.inner.weight().dtype()
+    }
+
     /// One layer computing `parts`' outputs side by side (their weights stacked): one GEMM
     /// where there were several. The parts must agree on having a bias.
     pub fn stack(parts: &[Linear]) -> candle_core::Result<Linear> {
