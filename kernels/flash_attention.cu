@@ -16,15 +16,14 @@
 // the new tokens of a sequence that has `past` tokens cached). `group` query heads share a
 // kv head.
 //
-// Grid (ceil(n_q / BR), heads, batch), WARPS warps; warp w owns query rows 16w..16w+15 of
-// the CTA's tile. The last query tiles (the most keys, when causal) start first. Rows and
+// Grid (ceil(n_q / BR), heads, batch), FA_WARPS warps; warp w owns MT row tiles of 16
+// (BR = 16 · FA_WARPS · MT rows a CTA: 128 at head dim 64, 64 at 128). The last query tiles (the most keys, when causal) start first. Rows and
 // keys past the ends are zero-filled, never read from memory.
 
 #include "float.cuh"
 #include <stdint.h>
 
 #define FA_WARPS 4
-#define FA_BR (16 * FA_WARPS)
 #define FA_BC 64
 
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -83,17 +82,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Shared memory a CTA needs: K and V tiles, double-buffered, rows padded by 8 elements so
-// that the 8 rows an ldmatrix reads fall in distinct banks.
-template <int HD> constexpr int fa_smem_bytes() { return 2 * 2 * FA_BC * (HD + 8) * 2; }
+// Shared memory a CTA needs (the launch computes it): K and V tiles, double-buffered, rows
+// padded by 8 elements so that the 8 rows an ldmatrix reads fall in distinct banks.
 
-template <typename T, int HD, bool PAGED>
+// MT: row tiles of 16 per warp. Two let each K and V fragment read from shared memory feed
+// twice the MMAs, for more registers (head dim 64 only: at 128 the accumulators would not
+// fit); both are compiled, the launch picks.
+template <typename T, int HD, int MT, bool PAGED>
 __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
                                 const T* __restrict__ v, long kv_batch, long kv_row,
                                 const unsigned* __restrict__ table, int block_size, int kv_heads,
                                 T* __restrict__ out, long o_batch, long o_row, int n_q, int n_k, int group, int past,
                                 float scale_log2) {
-  constexpr int LD = HD + 8;
+  constexpr int LD = HD + 8, BR = 16 * FA_WARPS * MT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ks = reinterpret_cast<T*>(smem_raw);  // [2][FA_BC][LD]
   T* vs = ks + 2 * FA_BC * LD;             // [2][FA_BC][LD]
@@ -102,25 +103,28 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
   const int g = lane >> 2, t4 = lane & 3;
   const int tile_q = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z, kvh = h / group;
-  const int q0 = tile_q * FA_BR + warp * 16;
+  const int q0 = tile_q * BR + warp * 16 * MT;  // this warp's first row; row tile mt starts at q0 + 16·mt
 
-  // This warp's 16 query rows as A fragments, one per 16 dims: rows g and g + 8.
-  uint32_t qf[HD / 16][4];
+  // The warp's query rows as A fragments, one per 16 dims: rows g and g + 8 of each tile.
+  uint32_t qf[MT][HD / 16][4];
   const T* qb = q + b * q_batch + (long)h * HD;
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = q0 + g + 8 * half;
-      const T* p = qb + (long)row * q_row + kk * 16 + 2 * t4;
-      const bool ok = row < n_q;
-      qf[kk][half] = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
-      qf[kk][half + 2] = ok ? *reinterpret_cast<const uint32_t*>(p + 8) : 0u;
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = q0 + 16 * mt + g + 8 * half;
+        const T* p = qb + (long)row * q_row + kk * 16 + 2 * t4;
+        const bool ok = row < n_q;
+        qf[mt][kk][half] = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
+        qf[mt][kk][half + 2] = ok ? *reinterpret_cast<const uint32_t*>(p + 8) : 0u;
+      }
     }
   }
 
   // Keys this CTA needs: up to its last query's causal limit.
-  const int last_q = min(n_q, (tile_q + 1) * FA_BR) - 1;
+  const int last_q = min(n_q, (tile_q + 1) * BR) - 1;
   const int kv_end = past >= 0 ? min(n_k, past + last_q + 1) : n_k;
   const int tiles = (kv_end + FA_BC - 1) / FA_BC;
 
@@ -144,10 +148,15 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
     cp_async_commit();
   };
 
-  float o[HD / 8][4];
+  float o[MT][HD / 8][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
 
   if (tiles > 0) load(0, 0);
   for (int t = 0; t < tiles; ++t) {
@@ -160,10 +169,13 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
     }
     __syncthreads();
 
-    // Scores of the warp's 16 rows against the tile's FA_BC keys.
-    float s[FA_BC / 8][4];
+    // Scores of the warp's rows against the tile's FA_BC keys; each K fragment feeds MT
+    // row tiles.
+    float s[MT][FA_BC / 8][4];
 #pragma unroll
-    for (int j = 0; j < FA_BC / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < FA_BC / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
     const T* kt = ks + buf * FA_BC * LD;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
@@ -173,112 +185,133 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
         const int key = 16 * jj + (lane & 7) + ((lane >> 4) << 3);
         const int dim = 16 * kk + (((lane >> 3) & 1) << 3);
         ldsm_x4<false>(r, kt + key * LD + dim);
-        mma<T>(s[2 * jj], qf[kk], r[0], r[1]);
-        mma<T>(s[2 * jj + 1], qf[kk], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<T>(s[mt][2 * jj], qf[mt][kk], r[0], r[1]);
+          mma<T>(s[mt][2 * jj + 1], qf[mt][kk], r[2], r[3]);
+        }
       }
     }
 
     // Online softmax in base 2 on the raw scores (scale > 0, so maxima commute with it):
     // p = 2^(s · scale_log2 − m · scale_log2), one FFMA and one EX2 per score. This lane
-    // holds rows g (e = 0, 1) and g + 8 (e = 2, 3).
+    // holds rows g (e = 0, 1) and g + 8 (e = 2, 3) of each row tile.
     const int kbase = t * FA_BC;
     const bool masked = kbase + FA_BC > n_k || (past >= 0 && kbase + FA_BC - 1 > past + q0);
-    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < FA_BC / 8; ++j) {
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (masked) {
-          const int key = kbase + 8 * j + 2 * t4 + (e & 1), row = q0 + g + ((e >> 1) << 3);
-          if (key >= n_k || (past >= 0 && key > past + row)) s[j][e] = -INFINITY;
+      for (int j = 0; j < FA_BC / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (masked) {
+            const int key = kbase + 8 * j + 2 * t4 + (e & 1), row = q0 + 16 * mt + g + ((e >> 1) << 3);
+            if (key >= n_k || (past >= 0 && key > past + row)) s[mt][j][e] = -INFINITY;
+          }
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][j][e]);
         }
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
-    }
-    float base[2], alpha[2];
+      float base[2], alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float mnew = fmaxf(m[r], mx[r]);
-      base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
-      alpha[r] = fast_exp2(m[r] * scale_log2 - base[r]);
-      m[r] = mnew;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int j = 0; j < FA_BC / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = fast_exp2(fmaf(s[j][e], scale_log2, -base[e >> 1]));
-        s[j][e] = p;
-        l[e >> 1] += p;
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mnew = fmaxf(m[mt][r], mx[r]);
+        base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
+        alpha[r] = fast_exp2(m[mt][r] * scale_log2 - base[r]);
+        m[mt][r] = mnew;
+        l[mt][r] *= alpha[r];
       }
-    }
 #pragma unroll
-    for (int j = 0; j < HD / 8; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
+      for (int j = 0; j < FA_BC / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = fast_exp2(fmaf(s[mt][j][e], scale_log2, -base[e >> 1]));
+          s[mt][j][e] = p;
+          l[mt][e >> 1] += p;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j) {
+        o[mt][j][0] *= alpha[0];
+        o[mt][j][1] *= alpha[0];
+        o[mt][j][2] *= alpha[1];
+        o[mt][j][3] *= alpha[1];
+      }
     }
 
-    // o += p · v: the score accumulators of two adjacent key tiles are an A fragment.
+    // o += p · v: the score accumulators of two adjacent key tiles are an A fragment; each
+    // V fragment feeds MT row tiles.
     const T* vt = vs + buf * FA_BC * LD;
 #pragma unroll
     for (int kk = 0; kk < FA_BC / 16; ++kk) {
-      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int jj = 0; jj < HD / 16; ++jj) {
         uint32_t r[4];
         const int key = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3);
         const int dim = 16 * jj + ((lane >> 4) << 3);
         ldsm_x4<true>(r, vt + key * LD + dim);
-        mma<T>(o[2 * jj], a, r[0], r[1]);
-        mma<T>(o[2 * jj + 1], a, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<T>(o[mt][2 * jj], a[mt], r[0], r[1]);
+          mma<T>(o[mt][2 * jj + 1], a[mt], r[2], r[3]);
+        }
       }
     }
     __syncthreads();  // the next iteration's load overwrites this buffer
   }
 
-  // Normalise and write rows g and g + 8.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-  }
+  // Normalise and write rows g and g + 8 of each row tile.
   T* ob = out + b * o_batch + (long)h * HD;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = q0 + g + 8 * half;
-    if (row >= n_q) continue;
-    T* p = ob + (long)row * o_row + 2 * t4;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int j = 0; j < HD / 8; ++j)
-      *reinterpret_cast<uint32_t*>(p + 8 * j) = pack2<T>(o[j][2 * half] * l[half], o[j][2 * half + 1] * l[half]);
+    for (int r = 0; r < 2; ++r) {
+      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
+      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
+      l[mt][r] = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = q0 + 16 * mt + g + 8 * half;
+      if (row >= n_q) continue;
+      T* p = ob + (long)row * o_row + 2 * t4;
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j)
+        *reinterpret_cast<uint32_t*>(p + 8 * j) =
+            pack2<T>(o[mt][j][2 * half] * l[mt][half], o[mt][j][2 * half + 1] * l[mt][half]);
+    }
   }
 }
 
-#define FLASH(suffix, T, HD)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
-      flash_dense_##suffix##_##HD(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch,  \
-                                  long kv_row, T* out, long o_batch, long o_row, int n_q, int n_k, int group,    \
-                                  int past, float scale_log2) {                                                  \
-    flash_attention<T, HD, false>(q, q_batch, q_row, k, v, kv_batch, kv_row, nullptr, 1, 1, out, o_batch,       \
-                                  o_row, n_q, n_k, group, past, scale_log2);                                     \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                    \
-      flash_paged_##suffix##_##HD(const T* q, long q_row, const T* k, const T* v, const unsigned* table,         \
-                                  int block_size, int kv_heads, T* out, long o_row, int n_q, int n_k, int group, \
-                                  int past, float scale_log2) {                                                  \
-    flash_attention<T, HD, true>(q, 0, q_row, k, v, 0, 0, table, block_size, kv_heads, out, 0, o_row, n_q, n_k, \
-                                 group, past, scale_log2);                                                       \
+#define FLASH(suffix, T, HD, MT)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                     \
+      flash_dense_##suffix##_##HD##_##MT(const T* q, long q_batch, long q_row, const T* k, const T* v,           \
+                                         long kv_batch, long kv_row, T* out, long o_batch, long o_row, int n_q,  \
+                                         int n_k, int group, int past, float scale_log2) {                       \
+    flash_attention<T, HD, MT, false>(q, q_batch, q_row, k, v, kv_batch, kv_row, nullptr, 1, 1, out, o_batch,    \
+                                      o_row, n_q, n_k, group, past, scale_log2);                                 \
+  }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                     \
+      flash_paged_##suffix##_##HD##_##MT(const T* q, long q_row, const T* k, const T* v, const unsigned* table,  \
+                                         int block_size, int kv_heads, T* out, long o_row, int n_q, int n_k,     \
+                                         int group, int past, float scale_log2) {                                \
+    flash_attention<T, HD, MT, true>(q, 0, q_row, k, v, 0, 0, table, block_size, kv_heads, out, 0, o_row, n_q,   \
+                                     n_k, group, past, scale_log2);                                              \
   }
 
-FLASH(bf16, __nv_bfloat16, 64)
-FLASH(bf16, __nv_bfloat16, 128)
-FLASH(f16, __half, 64)
-FLASH(f16, __half, 128)
+FLASH(bf16, __nv_bfloat16, 64, 1)
+FLASH(bf16, __nv_bfloat16, 64, 2)
+FLASH(bf16, __nv_bfloat16, 128, 1)
+FLASH(f16, __half, 64, 1)
+FLASH(f16, __half, 64, 2)
+FLASH(f16, __half, 128, 1)

@@ -244,10 +244,60 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
             );
         }
     }
+    // The vision tower's linear shapes at the largest batch: cuBLAS alone against the
+    // epilogue GEMM with the bias, and with the bias and a residual.
+    if device.is_cuda()
+        && dtype != DType::F32
+        && let Some(&n) = b.images.iter().max().filter(|&&n| n > 0)
+    {
+        for row in gemm_probe(&cfg.vision, n, dtype, &device)? {
+            note(&mut rows, row);
+        }
+    }
     if !b.json {
         print_table(&rows);
     }
     Ok(())
+}
+
+/// Times each of CLIP's four linear shapes for `images` images three ways (microseconds a
+/// call, median of 20): the plain GEMM, the GEMM with the bias in its epilogue, and with
+/// the bias and a residual.
+fn gemm_probe(
+    v: &mmserve_config::ClipVisionConfig,
+    images: usize,
+    dtype: DType,
+    device: &Device,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut rows = Vec::new();
+    let m = images * (v.patches_per_side() * v.patches_per_side() + 1);
+    let (d, i) = (v.hidden_size, v.intermediate_size);
+    for (name, n, k) in [("qkv", 3 * d, d), ("out_proj", d, d), ("fc1", i, d), ("fc2", d, i)] {
+        let x = Tensor::rand(-1f32, 1f32, (m, k), device)?.to_dtype(dtype)?;
+        let w = Tensor::rand(-0.01f32, 0.01f32, (n, k), device)?.to_dtype(dtype)?;
+        let bias = Tensor::rand(-1f32, 1f32, n, device)?.to_dtype(dtype)?;
+        let r = Tensor::rand(-1f32, 1f32, (m, n), device)?.to_dtype(dtype)?;
+        let layer = mmserve_models::Linear::new(w.clone(), Some(bias));
+        let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> anyhow::Result<f64> {
+            f()?;
+            let mut t = Vec::new();
+            for _ in 0..20 {
+                sync(device)?;
+                let start = Instant::now();
+                f()?;
+                sync(device)?;
+                t.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            Ok(median(t))
+        };
+        let plain = time(&|| x.matmul(&w.t()?))?;
+        let bias = time(&|| candle_core::Module::forward(&layer, &x))?;
+        let both = time(&|| layer.forward_residual(&x, &r))?;
+        let flops = 2.0 * (m * n * k) as f64;
+        rows.push(json!({"gemm": name, "m": m, "n": n, "k": k, "plain_us": plain, "bias_us": bias,
+                         "bias_residual_us": both, "plain_tflops": flops / plain / 1e6}));
+    }
+    Ok(rows)
 }
 
 fn print_table(rows: &[serde_json::Value]) {

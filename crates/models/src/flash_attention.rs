@@ -76,27 +76,35 @@ macro_rules! by_half {
     };
 }
 
-/// Loads `{prefix}_{suffix}_{head_dim}`, lets it take the shared memory it needs, and the
-/// grid: a CTA per 64 queries (`FA_BR`), head and batch row.
+/// Row tiles of 16 a warp takes at head dim 64: 2 unless `MMSERVE_FLASH_TILES=1` (both
+/// are compiled, for benchmarking one against the other); 1 at head dim 128.
+fn row_tiles(head_dim: usize) -> usize {
+    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let at_64 = *TILES.get_or_init(|| std::env::var("MMSERVE_FLASH_TILES").map_or(2, |v| if v == "1" { 1 } else { 2 }));
+    if head_dim == 64 { at_64 } else { 1 }
+}
+
+/// Loads `{name}_{head_dim}_{row tiles}`, lets it take the shared memory it needs, and the
+/// grid: a CTA per 64 · row tiles queries, per head and per batch row.
 #[cfg(feature = "cuda")]
 fn load(
     dev: &candle_core::CudaDevice,
     g: &Geometry,
     name: &str,
+    tiles: usize,
 ) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
-    const ROWS: usize = 64; // FA_BR
     const KEYS: usize = 64; // FA_BC
-    if !matches!(g.head_dim, 64 | 128) {
-        candle_core::bail!("flash attention: head dim {} (64 or 128 are compiled)", g.head_dim);
+    if !matches!((g.head_dim, tiles), (64, 1 | 2) | (128, 1)) {
+        candle_core::bail!("flash attention: head dim {} with {tiles} row tiles is not compiled", g.head_dim);
     }
-    let func = dev.get_or_load_custom_func(name, "mmserve_flash_attention", PTX)?;
-    // K and V tiles, double-buffered, rows padded by 8 (`fa_smem_bytes`).
+    let func = dev.get_or_load_custom_func(&format!("{name}_{}_{tiles}", g.head_dim), "mmserve_flash_attention", PTX)?;
+    // K and V tiles, double-buffered, rows padded by 8.
     let smem = 2 * 2 * KEYS * (g.head_dim + 8) * 2;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     func.set_attribute(attr, smem as i32).w()?;
     let cfg = LaunchConfig {
-        grid_dim: (g.n_q.div_ceil(ROWS) as u32, g.heads as u32, g.batch as u32),
+        grid_dim: (g.n_q.div_ceil(64 * tiles) as u32, g.heads as u32, g.batch as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -164,6 +172,9 @@ struct Packed {
     n: usize,
     heads: usize,
     scale: f32,
+    /// Row tiles of 16 a warp takes on the GPU.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tiles: usize,
 }
 
 impl Packed {
@@ -220,7 +231,7 @@ impl CustomOp1 for Packed {
         let (n, group, past) = (g.n_q as i32, 1i32, -1i32);
         let scale = self.scale * std::f32::consts::LOG2_E;
         let out = by_half!(s.dtype(), |T, SUFFIX| {
-            let (func, cfg) = load(&dev, &g, &format!("flash_dense_{SUFFIX}_{}", g.head_dim))?;
+            let (func, cfg) = load(&dev, &g, &format!("flash_dense_{SUFFIX}"), self.tiles)?;
             let qkv = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let (k, v) = (qkv.slice(width..), qkv.slice(2 * width..));
             // SAFETY: the kernel writes every row of every head.
@@ -258,6 +269,9 @@ struct Paged<'a> {
     table: &'a PagedTable,
     past: usize,
     scale: f32,
+    /// Row tiles of 16 a warp takes on the GPU.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tiles: usize,
 }
 
 impl Paged<'_> {
@@ -327,7 +341,7 @@ impl CustomOp3 for Paged<'_> {
         let (group, past) = ((g.heads / g.kv_heads) as i32, self.past as i32);
         let scale = self.scale * std::f32::consts::LOG2_E;
         let out = by_half!(q.dtype(), |T, SUFFIX| {
-            let (func, cfg) = load(&dev, &g, &format!("flash_paged_{SUFFIX}_{}", g.head_dim))?;
+            let (func, cfg) = load(&dev, &g, &format!("flash_paged_{SUFFIX}"), self.tiles)?;
             let q = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
             let k = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
             let v = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
@@ -350,7 +364,8 @@ impl CustomOp3 for Paged<'_> {
 /// `softmax(scale · q·kᵀ)·v` of the encoder: `qkv` [B·N, 3·H·hd] (q, k and v side by side)
 /// → [B·N, H·hd], every query over every key of its item.
 pub(crate) fn packed(qkv: &Tensor, batch: usize, n: usize, heads: usize, scale: f32) -> candle_core::Result<Tensor> {
-    qkv.apply_op1_no_bwd(&Packed { batch, n, heads, scale })
+    let tiles = row_tiles(qkv.dim(1)? / 3 / heads.max(1));
+    qkv.apply_op1_no_bwd(&Packed { batch, n, heads, scale, tiles })
 }
 
 /// Prefill attention of one sequence: `q` [n, H, hd] at positions `past..past + n` over the
@@ -363,7 +378,8 @@ pub(crate) fn paged(
     past: usize,
     scale: f32,
 ) -> candle_core::Result<Tensor> {
-    q.contiguous()?.apply_op3_no_bwd(k, v, &Paged { table, past, scale })
+    let tiles = row_tiles(q.dim(2)?);
+    q.contiguous()?.apply_op3_no_bwd(k, v, &Paged { table, past, scale, tiles })
 }
 
 /// Runs both ops on `device` against their CPU twins on random inputs (odd lengths, the
@@ -388,13 +404,16 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
         // (batch, n, heads, head_dim)
         for (i, &(batch, n, heads, hd)) in [(2, 77, 3, 64), (1, 130, 2, 128), (3, 5, 1, 64)].iter().enumerate() {
             let x = uniform(batch * n * 3 * heads * hd);
-            let run = |dev: &Device| -> Result<Vec<f32>, ModelError> {
+            let run = |dev: &Device, tiles: usize| -> Result<Vec<f32>, ModelError> {
                 let qkv = Tensor::from_slice(&x, (batch * n, 3 * heads * hd), dev)?.to_dtype(dtype)?;
-                let out = packed(&qkv, batch, n, heads, (hd as f32).powf(-0.5))?;
-                Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+                let op = Packed { batch, n, heads, scale: (hd as f32).powf(-0.5), tiles };
+                Ok(qkv.apply_op1_no_bwd(&op)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
             };
-            if let Some(line) = judge(&run(device)?, &run(&Device::Cpu)?, dtype) {
-                bad.push(format!("packed case {i} {dtype:?}: {line}"));
+            let want = run(&Device::Cpu, 1)?;
+            for tiles in if hd == 64 { 1..=2 } else { 1..=1 } {
+                if let Some(line) = judge(&run(device, tiles)?, &want, dtype) {
+                    bad.push(format!("packed case {i} {dtype:?} {tiles} row tiles: {line}"));
+                }
             }
         }
         // (new queries, cached tokens, heads, kv heads, head_dim, block_size)
@@ -418,17 +437,21 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 v
             };
             let (q, k, v) = (uniform(n * heads * hd), poison(uniform(pool_len)), poison(uniform(pool_len)));
-            let run = |dev: &Device| -> Result<Vec<f32>, ModelError> {
+            let run = |dev: &Device, tiles: usize| -> Result<Vec<f32>, ModelError> {
                 let pool = |x: &[f32]| -> Result<Tensor, ModelError> {
                     Ok(Tensor::from_slice(x, (blocks, kv_heads, bs, hd), dev)?.to_dtype(dtype)?)
                 };
                 let q = Tensor::from_slice(&q, (n, heads, hd), dev)?.to_dtype(dtype)?;
                 let table = PagedTable::new(&table, dev)?;
-                let out = paged(&q, &pool(&k)?, &pool(&v)?, &table, past, (hd as f32).powf(-0.5))?;
+                let op = Paged { table: &table, past, scale: (hd as f32).powf(-0.5), tiles };
+                let out = q.apply_op3_no_bwd(&pool(&k)?, &pool(&v)?, &op)?;
                 Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
             };
-            if let Some(line) = judge(&run(device)?, &run(&Device::Cpu)?, dtype) {
-                bad.push(format!("paged case {i} {dtype:?}: {line}"));
+            let want = run(&Device::Cpu, 1)?;
+            for tiles in if hd == 64 { 1..=2 } else { 1..=1 } {
+                if let Some(line) = judge(&run(device, tiles)?, &want, dtype) {
+                    bad.push(format!("paged case {i} {dtype:?} {tiles} row tiles: {line}"));
+                }
             }
         }
     }
