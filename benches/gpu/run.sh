@@ -21,6 +21,9 @@ timeout 200 python3 benches/gpu/hf_bf16_error.py 2>/dev/null | tail -1
 echo "== llava-1.5-7b shapes, dummy bf16 weights"
 timeout 420 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy --device cuda \
   --dtype bfloat16 --json | tee "$OUT/mmserve_llava7b.jsonl"
+echo "== the same prefill and vision tower with flash attention off (the GEMM-and-softmax path)"
+MMSERVE_FLASH=0 timeout 200 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
+  --device cuda --dtype bfloat16 --batches 0 --images 1,32 2>&1 | grep -E "prefill|vision"
 echo "== transformers, same model, same machine"
 timeout 420 python3 benches/gpu/hf_llava_baseline.py
 echo "== end to end through mmserve serve, llava-1.5-7b shapes (dummy bf16, stand-in tokenizer)"

@@ -91,8 +91,41 @@ pub fn parse_device(name: &str) -> Result<Device, ModelError> {
         // buffer needs events to order its uses across streams; tracking would create and
         // destroy two CUDA events per allocation, hundreds per decode step.
         unsafe { dev.disable_event_tracking() };
+        keep_freed_memory(dev)?;
     }
     Ok(device)
+}
+
+/// Lets the device's default memory pool (where cudarc's stream-ordered allocations come
+/// from) keep what is freed instead of returning it to the driver at every
+/// synchronisation: the engine synchronises every step and the encoder every batch, and
+/// each would otherwise map its buffers anew (hundreds of microseconds for the vision
+/// tower's 100 MB activations). Peak use is unchanged; freed memory is reused.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(dev: &candle_core::CudaDevice) -> Result<(), ModelError> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().map_err(|e| ModelError::Unsupported(format!("binding the CUDA context: {e}")))?;
+    let mut pool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` receives the device's default pool handle, owned by the driver; the
+    // attribute's value is a u64 that lives through the call.
+    let status = unsafe {
+        let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+        if got != sys::CUresult::CUDA_SUCCESS {
+            got
+        } else {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut std::ffi::c_void,
+            )
+        }
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(ModelError::Unsupported(format!("keeping freed GPU memory in the pool: {status:?}")));
+    }
+    Ok(())
 }
 
 /// The device when none is named: the first GPU in a CUDA build, else the CPU.
