@@ -323,7 +323,10 @@ fn print_table(rows: &[serde_json::Value]) {
                 1e3 * f(r, "seconds"),
                 f(r, "tflops"),
                 100.0 * f(r, "peak_share"),
-                r["flash_vs_dense_l2_rel"].as_f64().map(|d| format!("  flash vs dense: L2 {d:.2e}")).unwrap_or_default()
+                r["flash_vs_dense_l2_rel"]
+                    .as_f64()
+                    .map(|d| format!("  flash vs dense: L2 {d:.2e}"))
+                    .unwrap_or_default()
             );
         } else {
             println!("{r}");

@@ -10,7 +10,18 @@ fn main() {
     }
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    for name in ["decoder", "flash_attention", "fused", "kv_cache", "layer_norm", "merge", "paged_attention", "patch_embed", "sampling", "skinny"] {
+    for name in [
+        "decoder",
+        "flash_attention",
+        "fused",
+        "kv_cache",
+        "layer_norm",
+        "merge",
+        "paged_attention",
+        "patch_embed",
+        "sampling",
+        "skinny",
+    ] {
         let src = kernels.join(format!("{name}.cu"));
         let ptx = out.join(format!("{name}.ptx"));
         let status = std::process::Command::new("nvcc")

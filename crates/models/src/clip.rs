@@ -10,8 +10,8 @@
 //! after `pre_layrnorm`, `i` is the output of encoder layer `i - 1`. `post_layernorm`
 //! only feeds the pooled output, which LLaVA does not use, so it is never loaded.
 
-use candle_core::{Module, Tensor};
 use crate::layer_norm::LayerNorm;
+use candle_core::{Module, Tensor};
 
 use crate::linear::Linear;
 use mmserve_config::ClipVisionConfig;

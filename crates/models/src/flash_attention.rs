@@ -98,7 +98,8 @@ fn load(
     if !matches!((g.head_dim, tiles), (64, 1 | 2) | (128, 1)) {
         candle_core::bail!("flash attention: head dim {} with {tiles} row tiles is not compiled", g.head_dim);
     }
-    let func = dev.get_or_load_custom_func(&format!("{name}_{}_{tiles}", g.head_dim), "mmserve_flash_attention", PTX)?;
+    let func =
+        dev.get_or_load_custom_func(&format!("{name}_{}_{tiles}", g.head_dim), "mmserve_flash_attention", PTX)?;
     // K and V tiles, double-buffered, rows padded by 8.
     let smem = 2 * 2 * KEYS * (g.head_dim + 8) * 2;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
@@ -182,7 +183,12 @@ impl Packed {
         let (rows, cols) = l.shape().dims2()?;
         let width = cols / 3;
         if rows != self.batch * self.n || cols != 3 * width || self.heads == 0 || !width.is_multiple_of(self.heads) {
-            candle_core::bail!("flash packed: qkv {:?} is not [{} · {}, 3 · heads · hd]", l.shape(), self.batch, self.n);
+            candle_core::bail!(
+                "flash packed: qkv {:?} is not [{} · {}, 3 · heads · hd]",
+                l.shape(),
+                self.batch,
+                self.n
+            );
         }
         if !l.is_contiguous() {
             candle_core::bail!("flash packed: qkv must be contiguous");
@@ -333,7 +339,9 @@ impl CustomOp3 for Paged<'_> {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (g, bs) = self.geometry(lq, lk, lv)?;
         let (ts, tl) = self.table.table.storage_and_layout();
-        let candle_core::Storage::Cuda(ts) = &*ts else { candle_core::bail!("flash paged: the table is not on the GPU") };
+        let candle_core::Storage::Cuda(ts) = &*ts else {
+            candle_core::bail!("flash paged: the table is not on the GPU")
+        };
         let table = ts.as_cuda_slice::<u32>()?.slice(tl.start_offset()..);
         let dev = q.device().clone();
         let row = (g.heads * g.head_dim) as i64;
@@ -417,7 +425,8 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             }
         }
         // (new queries, cached tokens, heads, kv heads, head_dim, block_size)
-        let cases: [(usize, usize, usize, usize, usize, usize); 4] = [(70, 0, 4, 2, 128, 16), (33, 100, 2, 1, 64, 16), (130, 5, 4, 4, 128, 32), (1, 20, 2, 2, 64, 16)];
+        let cases: [(usize, usize, usize, usize, usize, usize); 4] =
+            [(70, 0, 4, 2, 128, 16), (33, 100, 2, 1, 64, 16), (130, 5, 4, 4, 128, 32), (1, 20, 2, 2, 64, 16)];
         for (i, &(n, past, heads, kv_heads, hd, bs)) in cases.iter().enumerate() {
             let used = (past + n).div_ceil(bs);
             // Block 0 and the last block are in no table; the table runs backwards.
@@ -486,7 +495,14 @@ mod tests {
         let qkv = Tensor::randn(0f32, 1.0, (b * n, 3 * h * d), &dev).unwrap();
         let got = packed(&qkv, b, n, h, 0.5).unwrap();
         let part = |i: usize| {
-            qkv.narrow(1, i * h * d, h * d).unwrap().reshape((b, n, h, d)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap()
+            qkv.narrow(1, i * h * d, h * d)
+                .unwrap()
+                .reshape((b, n, h, d))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
         };
         let scores = (part(0).matmul(&part(1).t().unwrap()).unwrap() * 0.5).unwrap();
         let probs = candle_nn::ops::softmax_last_dim(&scores).unwrap();

@@ -107,7 +107,11 @@ mod cuda {
         }
     }
 
-    fn set_desc<V>(desc: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &V) -> candle_core::Result<()> {
+    fn set_desc<V>(
+        desc: sys::cublasLtMatmulDesc_t,
+        attr: sys::cublasLtMatmulDescAttributes_t,
+        v: &V,
+    ) -> candle_core::Result<()> {
         // SAFETY: `v` is the attribute's documented type and lives through the call.
         unsafe { result::set_matmul_desc_attribute(desc, attr, v as *const V as *const c_void, size_of::<V>()) }
             .map_err(candle_core::Error::wrap)
@@ -121,8 +125,9 @@ mod cuda {
             _ => sys::cudaDataType_t::CUDA_R_16F,
         };
         let wrap = candle_core::Error::wrap;
-        let desc = result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
-            .map_err(wrap)?;
+        let desc =
+            result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
+                .map_err(wrap)?;
         let a = result::create_matrix_layout(ty, k as u64, n as u64, k as i64).map_err(wrap)?;
         let b = result::create_matrix_layout(ty, k as u64, m as u64, k as i64).map_err(wrap)?;
         let c = result::create_matrix_layout(ty, n as u64, m as u64, n as i64).map_err(wrap)?;
@@ -138,7 +143,11 @@ mod cuda {
         Ok(descs)
     }
 
-    fn pick(lt: &mut Lt, descs: &Descs, key: (usize, usize, usize, DType, bool, bool)) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
+    fn pick(
+        lt: &mut Lt,
+        descs: &Descs,
+        key: (usize, usize, usize, DType, bool, bool),
+    ) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
         if let Some(algo) = lt.algos.get(&key) {
             return Ok(*algo);
         }
@@ -168,7 +177,13 @@ mod cuda {
             "gemm_epilogue"
         }
 
-        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
             candle_core::bail!("gemm_epilogue runs on the GPU only")
         }
 
@@ -181,10 +196,22 @@ mod cuda {
         ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
             let (m, k) = lx.shape().dims2()?;
             let (n, kw) = lw.shape().dims2()?;
-            let bias_fits = self.bias.is_none_or(|b| b.elem_count() == n && b.is_contiguous() && b.dtype() == x.dtype());
-            let res_fits = self.residual.is_none_or(|r| r.dims() == [m, n] && r.is_contiguous() && r.dtype() == x.dtype());
-            if k != kw || !lx.is_contiguous() || !lw.is_contiguous() || !bias_fits || !res_fits || x.dtype() != w.dtype() {
-                candle_core::bail!("gemm_epilogue: x {:?}, w {:?} with their bias and residual do not fit", lx.shape(), lw.shape());
+            let bias_fits =
+                self.bias.is_none_or(|b| b.elem_count() == n && b.is_contiguous() && b.dtype() == x.dtype());
+            let res_fits =
+                self.residual.is_none_or(|r| r.dims() == [m, n] && r.is_contiguous() && r.dtype() == x.dtype());
+            if k != kw
+                || !lx.is_contiguous()
+                || !lw.is_contiguous()
+                || !bias_fits
+                || !res_fits
+                || x.dtype() != w.dtype()
+            {
+                candle_core::bail!(
+                    "gemm_epilogue: x {:?}, w {:?} with their bias and residual do not fit",
+                    lx.shape(),
+                    lw.shape()
+                );
             }
             let dev = x.device().clone();
             let stream = dev.cuda_stream();
@@ -221,7 +248,8 @@ mod cuda {
                     let bp = bias_view.as_ref().map(|b| b.device_ptr(&stream));
                     let rp = res_view.as_ref().map(|r| r.device_ptr(&stream));
                     let descs = describe(dtype, m, n, k, bp.as_ref().map(|b| b.0))?;
-                    let mut lt = lt(&dev)?.lock().map_err(|_| candle_core::Error::Msg("cuBLASLt lock poisoned".into()))?;
+                    let mut lt =
+                        lt(&dev)?.lock().map_err(|_| candle_core::Error::Msg("cuBLASLt lock poisoned".into()))?;
                     let algo = pick(&mut lt, &descs, (m, n, k, dtype, bias.is_some(), residual.is_some()))?;
                     let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
                     let c = rp.as_ref().map_or(op, |r| r.0);
@@ -282,11 +310,16 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             let r = Tensor::randn(0f32, 1.0, (m, n), &cpu)?.to_dtype(dtype)?;
             let f = |t: &Tensor| t.to_dtype(DType::F32);
             let base = f(&x)?.matmul(&f(&w)?.t()?)?;
-            let (xd, wd, bd, rd) = (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?, r.to_device(device)?);
+            let (xd, wd, bd, rd) =
+                (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?, r.to_device(device)?);
             let runs = [
                 ("bias", linear(&xd, &wd, Some(&bd), None)?, base.broadcast_add(&f(&b)?)?),
                 ("residual", linear(&xd, &wd, None, Some(&rd))?, (&base + f(&r)?)?),
-                ("bias and residual", linear(&xd, &wd, Some(&bd), Some(&rd))?, (base.broadcast_add(&f(&b)?)? + f(&r)?)?),
+                (
+                    "bias and residual",
+                    linear(&xd, &wd, Some(&bd), Some(&rd))?,
+                    (base.broadcast_add(&f(&b)?)? + f(&r)?)?,
+                ),
             ];
             let ulp = if dtype == DType::F16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
             for (what, got, want) in runs {

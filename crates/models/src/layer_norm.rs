@@ -79,7 +79,12 @@ impl Norm<'_> {
         let rows = lx.shape().elem_count() / cols.max(1);
         let y_fits = self.y.is_none_or(|y| y.dims() == lx.dims() && y.is_contiguous());
         if !lx.is_contiguous() || lw.shape().elem_count() != cols || lb.shape().elem_count() != cols || !y_fits {
-            candle_core::bail!("layer_norm: x {:?}, weight {:?}, bias {:?} do not fit", lx.shape(), lw.shape(), lb.shape());
+            candle_core::bail!(
+                "layer_norm: x {:?}, weight {:?}, bias {:?} do not fit",
+                lx.shape(),
+                lw.shape(),
+                lb.shape()
+            );
         }
         Ok((rows, cols))
     }

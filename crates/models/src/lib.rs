@@ -19,15 +19,15 @@ mod error;
 mod flash_attention;
 mod fused;
 mod gemm_epilogue;
-mod layer_norm;
 mod kv_write;
+mod layer_norm;
 mod linear;
 mod llama;
 mod llava;
 mod load;
 mod paged;
-mod patch_embed;
 mod paged_attention;
+mod patch_embed;
 mod qwen2_audio;
 mod sampling;
 mod skinny;
@@ -38,7 +38,9 @@ pub use arena_rows::{ArenaRows, self_test as arena_rows_self_test, slot_source, 
 pub use clip::ClipVisionTower;
 pub use decoder_fused::self_test as decoder_fused_self_test;
 pub use error::ModelError;
-pub use flash_attention::{is_enabled as flash_attention_enabled, self_test as flash_attention_self_test, set_enabled as set_flash_attention};
+pub use flash_attention::{
+    is_enabled as flash_attention_enabled, self_test as flash_attention_self_test, set_enabled as set_flash_attention,
+};
 pub use fused::self_test as fused_self_test;
 pub use gemm_epilogue::self_test as gemm_epilogue_self_test;
 pub use kv_write::self_test as kv_write_self_test;

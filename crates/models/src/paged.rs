@@ -318,7 +318,9 @@ impl Llama {
                     }
                     let q = q.narrow(0, offset, s.new_tokens)?;
                     outs.push(match table {
-                        SeqKeys::Flash(t) => flash_attention::paged(&q, &kv.k[layer], &kv.v[layer], t, s.start, attn.scale())?,
+                        SeqKeys::Flash(t) => {
+                            flash_attention::paged(&q, &kv.k[layer], &kv.v[layer], t, s.start, attn.scale())?
+                        }
                         SeqKeys::Gather(table) => {
                             let (k, v) = kv.gather(layer, table, s.start + s.new_tokens)?;
                             let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);

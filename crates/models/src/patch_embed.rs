@@ -122,7 +122,11 @@ impl CustomOp1 for Unfold {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, px: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        px: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (b, c, s) = self.dims(l)?;
         let rows = b * (s / self.patch).pow(2);
         let dev = px.device().clone();
@@ -162,7 +166,14 @@ impl AddPositions {
     }
 }
 
-fn add_positions_reference<T: FromF32>(patches: &[T], cls: &[T], pos: &[T], batch: usize, tokens: usize, d: usize) -> Vec<T> {
+fn add_positions_reference<T: FromF32>(
+    patches: &[T],
+    cls: &[T],
+    pos: &[T],
+    batch: usize,
+    tokens: usize,
+    d: usize,
+) -> Vec<T> {
     let mut out = Vec::with_capacity(batch * tokens * d);
     for b in 0..batch {
         for t in 0..tokens {
@@ -249,7 +260,8 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             let pos = Tensor::randn(0f32, 1.0, (tokens, d), &Device::Cpu)?.to_dtype(dtype)?;
             let add = AddPositions { batch: b };
             let want = patches.apply_op3_no_bwd(&cls, &pos, &add)?;
-            let got = patches.to_device(device)?.apply_op3_no_bwd(&cls.to_device(device)?, &pos.to_device(device)?, &add)?;
+            let got =
+                patches.to_device(device)?.apply_op3_no_bwd(&cls.to_device(device)?, &pos.to_device(device)?, &add)?;
             for (what, got, want) in [("unfold_patches", rows_gpu, rows_cpu), ("add_positions", got, want)] {
                 let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
                 let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

@@ -12,8 +12,8 @@
 //! Without the key mask the valid rows move (the fixture shows differences up to 5):
 //! clips are padded to 30 s, and every row would attend to the padding.
 
-use candle_core::{Device, Module, Tensor};
 use crate::layer_norm::LayerNorm;
+use candle_core::{Device, Module, Tensor};
 
 use crate::linear::Linear;
 use mmserve_config::{AudioEncoderConfig, ModelConfig, ModelDir, Qwen2AudioConfig, audio_token_count};
