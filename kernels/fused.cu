@@ -88,39 +88,33 @@ __device__ void split_heads(const T* __restrict__ qkv, T* __restrict__ out, int 
   }
 }
 
-// quick_gelu: x · sigmoid(1.702 x), each op rounded as transformers' bf16 ops round; n is
-// counted in chunks.
-template <typename T, bool VEC>
-__device__ void quick_gelu(const T* __restrict__ x, T* __restrict__ out, long chunks) {
+// An elementwise activation over n chunks (grid-stride), `F::apply(v)` on each value in f32.
+template <typename T, bool VEC, typename F>
+__device__ void activation(const T* __restrict__ x, T* __restrict__ out, long chunks) {
   using C = Chunk<T, VEC>;
   for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (long)gridDim.x * blockDim.x) {
     C c;
     c.load(x + i * C::V);
 #pragma unroll
-    for (int e = 0; e < C::V; ++e) {
-      const float v = to_f32(c.v[e]);
-      const float a = r<T>(1.702f * v);
-      c.v[e] = from_f32<T>(v * r<T>(1.f / (1.f + expf(-a))));
-    }
+    for (int e = 0; e < C::V; ++e) c.v[e] = from_f32<T>(F::template apply<T>(to_f32(c.v[e])));
     c.store(out + i * C::V);
   }
 }
 
-// gelu_erf: x · Φ(x) = 0.5 x (1 + erf(x / √2)) in f32, rounded once (torch's gelu in bf16).
-template <typename T, bool VEC>
-__device__ void gelu_erf(const T* __restrict__ x, T* __restrict__ out, long chunks) {
-  using C = Chunk<T, VEC>;
-  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (long)gridDim.x * blockDim.x) {
-    C c;
-    c.load(x + i * C::V);
-#pragma unroll
-    for (int e = 0; e < C::V; ++e) {
-      const float v = to_f32(c.v[e]);
-      c.v[e] = from_f32<T>(0.5f * v * (1.f + erff(v * 0.70710678118654752f)));
-    }
-    c.store(out + i * C::V);
+// quick_gelu: x · sigmoid(1.702 x), each op rounded as transformers' bf16 ops round.
+struct QuickGelu {
+  template <typename T> __device__ static float apply(float v) {
+    const float a = r<T>(1.702f * v);
+    return v * r<T>(1.f / (1.f + expf(-a)));
   }
-}
+};
+
+// gelu_erf: x · Φ(x) = 0.5 x (1 + erf(x / √2)) in f32, rounded once (torch's gelu in bf16).
+struct GeluErf {
+  template <typename T> __device__ static float apply(float v) {
+    return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+  }
+};
 
 #define FUSED(suffix, T)                                                                                       \
   extern "C" __global__ void scaled_softmax_##suffix(const T* x, T* out, long rows, int cols, float scale,  \
@@ -132,14 +126,14 @@ __device__ void gelu_erf(const T* __restrict__ x, T* __restrict__ out, long chun
     split_heads<T>(qkv, out, batch, n, np, heads, hd);                                                       \
   }                                                                                                          \
   extern "C" __global__ void quick_gelu_##suffix(const T* x, T* out, long n) {                              \
-    quick_gelu<T, false>(x, out, n);                                                                         \
+    activation<T, false, QuickGelu>(x, out, n);                                                                         \
   }                                                                                                          \
   extern "C" __global__ void quick_gelu_vec_##suffix(const T* x, T* out, long chunks) {                      \
-    quick_gelu<T, true>(x, out, chunks);                                                                     \
+    activation<T, true, QuickGelu>(x, out, chunks);                                                                     \
   }                                                                                                          \
-  extern "C" __global__ void gelu_erf_##suffix(const T* x, T* out, long n) { gelu_erf<T, false>(x, out, n); } \
+  extern "C" __global__ void gelu_erf_##suffix(const T* x, T* out, long n) { activation<T, false, GeluErf>(x, out, n); } \
   extern "C" __global__ void gelu_erf_vec_##suffix(const T* x, T* out, long chunks) {                        \
-    gelu_erf<T, true>(x, out, chunks);                                                                       \
+    activation<T, true, GeluErf>(x, out, chunks);                                                                       \
   }                                                                                                          \
   extern "C" __global__ void add_bias_##suffix(const T* x, const T* b, T* out, long rows, int cols) {         \
     add_bias<T, false>(x, b, out, rows, cols);                                                               \
