@@ -86,8 +86,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // padded by 8 elements so that the 8 rows an ldmatrix reads fall in distinct banks.
 
 // MT: row tiles of 16 per warp. Two let each K and V fragment read from shared memory feed
-// twice the MMAs, for more registers (head dim 64 only: at 128 the accumulators would not
-// fit); both are compiled, the launch picks.
+// twice the MMAs, for more registers; at head dim 128 the queries then stay in shared
+// memory (QS). Both are compiled, the launch picks.
 template <typename T, int HD, int MT, bool PAGED>
 __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
                                 const T* __restrict__ v, long kv_batch, long kv_row,
@@ -95,6 +95,7 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
                                 T* __restrict__ out, long o_batch, long o_row, int n_q, int n_k, int group, int past,
                                 float scale_log2) {
   constexpr int LD = HD + 8, BR = 16 * FA_WARPS * MT;
+  constexpr bool QS = HD > 64 && MT > 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ks = reinterpret_cast<T*>(smem_raw);  // [2][FA_BC][LD]
   T* vs = ks + 2 * FA_BC * LD;             // [2][FA_BC][LD]
@@ -106,19 +107,31 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
   const int q0 = tile_q * BR + warp * 16 * MT;  // this warp's first row; row tile mt starts at q0 + 16·mt
 
   // The warp's query rows as A fragments, one per 16 dims: rows g and g + 8 of each tile.
-  uint32_t qf[MT][HD / 16][4];
+  // With QS they stay in shared memory ([BR][LD], loaded with the first K/V tile) and are
+  // read per use: at head dim 128 two row tiles' fragments would not fit in registers.
+  T* qs = vs + 2 * FA_BC * LD;
+  uint32_t qf[QS ? 1 : MT][QS ? 1 : HD / 16][4];
   const T* qb = q + b * q_batch + (long)h * HD;
+  if (QS) {
+    const int first = tile_q * BR;
+    for (int c = threadIdx.x; c < BR * HD / 8; c += FA_WARPS * 32) {
+      const int r = c / (HD / 8), col = (c % (HD / 8)) * 8;
+      const bool ok = first + r < n_q;
+      cp_async16(qs + r * LD + col, ok ? qb + (long)(first + r) * q_row + col : qb, ok);
+    }
+  } else {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < (QS ? 0 : MT); ++mt) {
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+      for (int kk = 0; kk < HD / 16; ++kk) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = q0 + 16 * mt + g + 8 * half;
-        const T* p = qb + (long)row * q_row + kk * 16 + 2 * t4;
-        const bool ok = row < n_q;
-        qf[mt][kk][half] = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
-        qf[mt][kk][half + 2] = ok ? *reinterpret_cast<const uint32_t*>(p + 8) : 0u;
+        for (int half = 0; half < 2; ++half) {
+          const int row = q0 + 16 * mt + g + 8 * half;
+          const T* p = qb + (long)row * q_row + kk * 16 + 2 * t4;
+          const bool ok = row < n_q;
+          qf[mt][kk][half] = ok ? *reinterpret_cast<const uint32_t*>(p) : 0u;
+          qf[mt][kk][half + 2] = ok ? *reinterpret_cast<const uint32_t*>(p + 8) : 0u;
+        }
       }
     }
   }
@@ -179,6 +192,18 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
     const T* kt = ks + buf * FA_BC * LD;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (QS) {
+          // Lanes 0-15 name rows 0-15 at dim 16kk, lanes 16-31 the same rows at 16kk + 8.
+          const int row = warp * 16 * MT + 16 * mt + (lane & 15);
+          ldsm_x4<false>(qa[mt], qs + row * LD + 16 * kk + ((lane >> 4) << 3));
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) qa[mt][e] = qf[QS ? 0 : mt][QS ? 0 : kk][e];
+        }
+      }
 #pragma unroll
       for (int jj = 0; jj < FA_BC / 16; ++jj) {
         uint32_t r[4];
@@ -187,8 +212,8 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
         ldsm_x4<false>(r, kt + key * LD + dim);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma<T>(s[mt][2 * jj], qf[mt][kk], r[0], r[1]);
-          mma<T>(s[mt][2 * jj + 1], qf[mt][kk], r[2], r[3]);
+          mma<T>(s[mt][2 * jj], qa[mt], r[0], r[1]);
+          mma<T>(s[mt][2 * jj + 1], qa[mt], r[2], r[3]);
         }
       }
     }
@@ -312,6 +337,8 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
 FLASH(bf16, __nv_bfloat16, 64, 1)
 FLASH(bf16, __nv_bfloat16, 64, 2)
 FLASH(bf16, __nv_bfloat16, 128, 1)
+FLASH(bf16, __nv_bfloat16, 128, 2)
 FLASH(f16, __half, 64, 1)
 FLASH(f16, __half, 64, 2)
 FLASH(f16, __half, 128, 1)
+FLASH(f16, __half, 128, 2)

@@ -76,12 +76,11 @@ macro_rules! by_half {
     };
 }
 
-/// Row tiles of 16 a warp takes at head dim 64: 2 unless `MMSERVE_FLASH_TILES=1` (both
-/// are compiled, for benchmarking one against the other); 1 at head dim 128.
-fn row_tiles(head_dim: usize) -> usize {
+/// Row tiles of 16 a warp takes: 2 unless `MMSERVE_FLASH_TILES=1` (both are compiled, for
+/// benchmarking one against the other).
+fn row_tiles() -> usize {
     static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let at_64 = *TILES.get_or_init(|| std::env::var("MMSERVE_FLASH_TILES").map_or(2, |v| if v == "1" { 1 } else { 2 }));
-    if head_dim == 64 { at_64 } else { 1 }
+    *TILES.get_or_init(|| std::env::var("MMSERVE_FLASH_TILES").map_or(2, |v| if v == "1" { 1 } else { 2 }))
 }
 
 /// Loads `{name}_{head_dim}_{row tiles}`, lets it take the shared memory it needs, and the
@@ -95,13 +94,15 @@ fn load(
 ) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
     const KEYS: usize = 64; // FA_BC
-    if !matches!((g.head_dim, tiles), (64, 1 | 2) | (128, 1)) {
+    if !matches!((g.head_dim, tiles), (64 | 128, 1 | 2)) {
         candle_core::bail!("flash attention: head dim {} with {tiles} row tiles is not compiled", g.head_dim);
     }
     let func =
         dev.get_or_load_custom_func(&format!("{name}_{}_{tiles}", g.head_dim), "mmserve_flash_attention", PTX)?;
-    // K and V tiles, double-buffered, rows padded by 8.
-    let smem = 2 * 2 * KEYS * (g.head_dim + 8) * 2;
+    // K and V tiles, double-buffered, rows padded by 8; at head dim 128 with two row tiles
+    // also the CTA's queries (`QS` in the kernel).
+    let queries = if g.head_dim > 64 && tiles > 1 { 64 * tiles } else { 0 };
+    let smem = (2 * 2 * KEYS + queries) * (g.head_dim + 8) * 2;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     func.set_attribute(attr, smem as i32).w()?;
     let cfg = LaunchConfig {
@@ -372,7 +373,7 @@ impl CustomOp3 for Paged<'_> {
 /// `softmax(scale · q·kᵀ)·v` of the encoder: `qkv` [B·N, 3·H·hd] (q, k and v side by side)
 /// → [B·N, H·hd], every query over every key of its item.
 pub(crate) fn packed(qkv: &Tensor, batch: usize, n: usize, heads: usize, scale: f32) -> candle_core::Result<Tensor> {
-    let tiles = row_tiles(qkv.dim(1)? / 3 / heads.max(1));
+    let tiles = row_tiles();
     qkv.apply_op1_no_bwd(&Packed { batch, n, heads, scale, tiles })
 }
 
@@ -386,7 +387,7 @@ pub(crate) fn paged(
     past: usize,
     scale: f32,
 ) -> candle_core::Result<Tensor> {
-    let tiles = row_tiles(q.dim(2)?);
+    let tiles = row_tiles();
     q.contiguous()?.apply_op3_no_bwd(k, v, &Paged { table, past, scale, tiles })
 }
 
@@ -418,7 +419,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 Ok(qkv.apply_op1_no_bwd(&op)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
             };
             let want = run(&Device::Cpu, 1)?;
-            for tiles in if hd == 64 { 1..=2 } else { 1..=1 } {
+            for tiles in 1..=2 {
                 if let Some(line) = judge(&run(device, tiles)?, &want, dtype) {
                     bad.push(format!("packed case {i} {dtype:?} {tiles} row tiles: {line}"));
                 }
@@ -457,7 +458,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
             };
             let want = run(&Device::Cpu, 1)?;
-            for tiles in if hd == 64 { 1..=2 } else { 1..=1 } {
+            for tiles in 1..=2 {
                 if let Some(line) = judge(&run(device, tiles)?, &want, dtype) {
                     bad.push(format!("paged case {i} {dtype:?} {tiles} row tiles: {line}"));
                 }
