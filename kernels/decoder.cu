@@ -19,7 +19,24 @@
 // pass reads no memory. The launch picks blockDim so that PER · blockDim >= h.
 #define ADD_NORM_PER 8
 
-template <typename T>
+// ADD_NORM_PER elements of T through 16-byte accesses (VEC rows only).
+template <typename T> struct NormChunk {
+  __align__(16) T v[ADD_NORM_PER];
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int c = 0; c < (int)(ADD_NORM_PER * sizeof(T) / 16); ++c)
+      reinterpret_cast<uint4*>(v)[c] = reinterpret_cast<const uint4*>(p)[c];
+  }
+  __device__ __forceinline__ void store(T* p) const {
+#pragma unroll
+    for (int c = 0; c < (int)(ADD_NORM_PER * sizeof(T) / 16); ++c)
+      reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(v)[c];
+  }
+};
+
+// VEC: thread i owns the contiguous elements 8i..8i+7 (h a multiple of 8, rows 16-byte
+// aligned), moved in 16-byte accesses; else elements i + k · blockDim (any h).
+template <typename T, bool VEC>
 __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, const T* __restrict__ w,
                             T* __restrict__ out, int rows, int h, float eps) {
   __shared__ float partial[32];
@@ -30,18 +47,36 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   T* normed = out + (long)rows * h + row * h;
   float v[ADD_NORM_PER], g[ADD_NORM_PER];
   float ss = 0.f;
+  const int i0 = threadIdx.x * ADD_NORM_PER;
   // The weight is loaded with the row, not after the reduction: one latency, not two.
+  if (VEC) {
+    NormChunk<T> xc, yc, wc;
+    if (i0 < h) {
+      xc.load(xr + i0);
+      yc.load(yr + i0);
+      wc.load(w + i0);
+    }
 #pragma unroll
-  for (int k = 0; k < ADD_NORM_PER; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    v[k] = i < h ? to_f32(from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]))) : 0.f;
-    g[k] = i < h ? to_f32(w[i]) : 0.f;
-  }
+    for (int k = 0; k < ADD_NORM_PER; ++k) {
+      v[k] = i0 < h ? to_f32(from_f32<T>(to_f32(xc.v[k]) + to_f32(yc.v[k]))) : 0.f;
+      g[k] = i0 < h ? to_f32(wc.v[k]) : 0.f;
+      xc.v[k] = from_f32<T>(v[k]);
+      ss += v[k] * v[k];
+    }
+    if (i0 < h) xc.store(sum + i0);
+  } else {
 #pragma unroll
-  for (int k = 0; k < ADD_NORM_PER; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < h) sum[i] = from_f32<T>(v[k]);
-    ss += v[k] * v[k];
+    for (int k = 0; k < ADD_NORM_PER; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      v[k] = i < h ? to_f32(from_f32<T>(to_f32(xr[i]) + to_f32(yr[i]))) : 0.f;
+      g[k] = i < h ? to_f32(w[i]) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < ADD_NORM_PER; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < h) sum[i] = from_f32<T>(v[k]);
+      ss += v[k] * v[k];
+    }
   }
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -54,10 +89,19 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   }
   __syncthreads();
   const float inv = rsqrtf(partial[0] / (float)h + eps);
+  if (VEC) {
+    if (i0 < h) {
+      NormChunk<T> o;
 #pragma unroll
-  for (int k = 0; k < ADD_NORM_PER; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < h) normed[i] = from_f32<T>(r<T>(v[k] * inv) * g[k]);
+      for (int k = 0; k < ADD_NORM_PER; ++k) o.v[k] = from_f32<T>(r<T>(v[k] * inv) * g[k]);
+      o.store(normed + i0);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < ADD_NORM_PER; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < h) normed[i] = from_f32<T>(r<T>(v[k] * inv) * g[k]);
+    }
   }
 }
 
@@ -91,11 +135,13 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, long row
 
 // One CTA per token and blockDim.y of the H + 2K heads, one thread per rotated pair: a
 // decode step's single token still spreads over H + 2K CTAs (blockDim.y = 1), while a
-// prefill's thousands of tokens take several heads per CTA.
-template <typename T>
+// prefill's thousands of tokens take several heads per CTA. VEC (prefill, D/2 a multiple
+// of 8): a thread takes 8 consecutive pairs in 16-byte accesses.
+template <typename T, bool VEC>
 __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
                            T* __restrict__ out, int tokens, int heads, int kv_heads, int hd) {
-  const int t = blockIdx.x, head = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x;
+  constexpr int E = VEC ? ADD_NORM_PER : 1;
+  const int t = blockIdx.x, head = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x * E;
   if (head >= heads + 2 * kv_heads) return;
   const int half = hd / 2;
   const T* src = qkv + (long)t * (heads + 2 * kv_heads) * hd + (long)head * hd;
@@ -106,21 +152,51 @@ __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos,
     dst = out + (long)tokens * heads * hd + ((long)t * kv_heads + head - heads) * hd;
   } else {
     dst = out + (long)tokens * (heads + kv_heads) * hd + ((long)t * kv_heads + head - heads - kv_heads) * hd;
-    for (int j = i; j < hd; j += blockDim.x) dst[j] = src[j];
+    for (int j = i; j < hd; j += blockDim.x * E) {
+      if (VEC) {
+        NormChunk<T> c;
+        c.load(src + j);
+        c.store(dst + j);
+      } else {
+        dst[j] = src[j];
+      }
+    }
     return;
   }
-  for (int j = i; j < half; j += blockDim.x) {
-    const float a = to_f32(src[j]), b = to_f32(src[j + half]);
-    const float cc = to_f32(cos[(long)t * half + j]), ss = to_f32(sin[(long)t * half + j]);
-    dst[j] = from_f32<T>(r<T>(a * cc) - r<T>(b * ss));
-    dst[j + half] = from_f32<T>(r<T>(b * cc) + r<T>(a * ss));
+  const T* cs = cos + (long)t * half;
+  const T* sn = sin + (long)t * half;
+  for (int j = i; j < half; j += blockDim.x * E) {
+    if (VEC) {
+      NormChunk<T> a, b, cc, ss, lo, hi;
+      a.load(src + j);
+      b.load(src + j + half);
+      cc.load(cs + j);
+      ss.load(sn + j);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float x = to_f32(a.v[e]), y = to_f32(b.v[e]), c = to_f32(cc.v[e]), s = to_f32(ss.v[e]);
+        lo.v[e] = from_f32<T>(r<T>(x * c) - r<T>(y * s));
+        hi.v[e] = from_f32<T>(r<T>(y * c) + r<T>(x * s));
+      }
+      lo.store(dst + j);
+      hi.store(dst + j + half);
+    } else {
+      const float a = to_f32(src[j]), b = to_f32(src[j + half]);
+      const float cc = to_f32(cs[j]), ss = to_f32(sn[j]);
+      dst[j] = from_f32<T>(r<T>(a * cc) - r<T>(b * ss));
+      dst[j + half] = from_f32<T>(r<T>(b * cc) + r<T>(a * ss));
+    }
   }
 }
 
 #define DECODER(suffix, T)                                                                                   \
   extern "C" __global__ void add_rmsnorm_##suffix(const T* x, const T* y, const T* w, T* out, int rows,   \
                                                   int h, float eps) {                                      \
-    add_rmsnorm<T>(x, y, w, out, rows, h, eps);                                                            \
+    add_rmsnorm<T, false>(x, y, w, out, rows, h, eps);                                                     \
+  }                                                                                                        \
+  extern "C" __global__ void add_rmsnorm_vec_##suffix(const T* x, const T* y, const T* w, T* out, int rows, \
+                                                      int h, float eps) {                                  \
+    add_rmsnorm<T, true>(x, y, w, out, rows, h, eps);                                                      \
   }                                                                                                        \
   extern "C" __global__ void silu_mul_##suffix(const T* gu, T* out, long rows, int inter) {                 \
     silu_mul<T, false>(gu, out, rows, inter);                                                              \
@@ -130,7 +206,11 @@ __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos,
   }                                                                                                        \
   extern "C" __global__ void rope_split_##suffix(const T* qkv, const T* cos, const T* sin, T* out,          \
                                                  int tokens, int heads, int kv_heads, int hd) {            \
-    rope_split<T>(qkv, cos, sin, out, tokens, heads, kv_heads, hd);                                        \
+    rope_split<T, false>(qkv, cos, sin, out, tokens, heads, kv_heads, hd);                                 \
+  }                                                                                                        \
+  extern "C" __global__ void rope_split_vec_##suffix(const T* qkv, const T* cos, const T* sin, T* out,      \
+                                                     int tokens, int heads, int kv_heads, int hd) {        \
+    rope_split<T, true>(qkv, cos, sin, out, tokens, heads, kv_heads, hd);                                  \
   }
 
 DECODER(f32, float)

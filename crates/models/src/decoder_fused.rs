@@ -90,12 +90,15 @@ impl CustomOp3 for AddRmsNorm {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let (rows_arg, h_arg) = (rows as i32, h as i32);
         let out = by_float!(x.dtype(), "add_rmsnorm", |T, SUFFIX| {
+            // A thread's 8 elements in 16-byte accesses when rows and starts align to them.
+            let vec = [h, lx.start_offset(), ly.start_offset(), lw.start_offset()].iter().all(|a| a.is_multiple_of(8));
+            let name = format!("add_rmsnorm{}_{SUFFIX}", if vec { "_vec" } else { "" });
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
             let y = y.as_cuda_slice::<T>()?.slice(ly.start_offset()..);
             let w = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
             // SAFETY: the kernel writes both halves of every row.
             let mut out = unsafe { dev.alloc::<T>(2 * rows * h)? };
-            let func = dev.get_or_load_custom_func(&format!("add_rmsnorm_{SUFFIX}"), "mmserve_decoder", PTX)?;
+            let func = dev.get_or_load_custom_func(&name, "mmserve_decoder", PTX)?;
             let mut b = func.builder();
             b.arg(&x).arg(&y).arg(&w).arg(&mut out).arg(&rows_arg).arg(&h_arg).arg(&self.eps);
             // SAFETY: reads [rows, h] of x and y and [h] of w, writes [2, rows, h].
@@ -266,7 +269,11 @@ impl CustomOp3 for RopeSplit {
         let dev = x.device().clone();
         let n = lx.shape().elem_count();
         let all_heads = (self.heads + 2 * self.kv_heads) as u32;
-        let threads = (self.head_dim / 2).clamp(1, 1024) as u32;
+        let half = self.head_dim / 2;
+        // Many tokens (prefill) with halves of 8: a thread takes 8 pairs in 16-byte accesses.
+        let offsets = [lx.start_offset(), lc.start_offset(), ls.start_offset()];
+        let vec = t >= 64 && half.is_multiple_of(8) && offsets.iter().all(|o| o.is_multiple_of(8));
+        let threads = (if vec { half / 8 } else { half }).clamp(1, 1024) as u32;
         // Few tokens (decodes): a CTA per head, so that one token fills H + 2K CTAs. Many
         // (prefill): several heads per CTA, so that CTAs are not a few dozen threads each.
         let per_cta = if t >= 64 { (512 / threads).clamp(1, all_heads) } else { 1 };
@@ -282,7 +289,8 @@ impl CustomOp3 for RopeSplit {
             let s = s.as_cuda_slice::<T>()?.slice(ls.start_offset()..);
             // SAFETY: every q, k and v element of every token is written.
             let mut out = unsafe { dev.alloc::<T>(n)? };
-            let func = dev.get_or_load_custom_func(&format!("rope_split_{SUFFIX}"), "mmserve_decoder", PTX)?;
+            let name = format!("rope_split{}_{SUFFIX}", if vec { "_vec" } else { "" });
+            let func = dev.get_or_load_custom_func(&name, "mmserve_decoder", PTX)?;
             let mut b = func.builder();
             b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(&t_arg).arg(&h).arg(&k).arg(&d);
             // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements.
@@ -358,19 +366,23 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             }
             Ok(())
         };
-        let ((xd, x), (yd, y), (wd, w)) = (rand(&[5, 1031])?, rand(&[5, 1031])?, rand(&[1031])?);
-        let (got, want) = (add_rmsnorm(&xd, &yd, &wd, 1e-5)?, add_rmsnorm(&x, &y, &w, 1e-5)?);
-        check("add_rmsnorm sum", &got.0, &want.0)?;
-        check("add_rmsnorm norm", &got.1, &want.1)?;
+        // An odd width (element by element), then one of 16-byte chunks.
+        for width in [1031, 1024] {
+            let ((xd, x), (yd, y), (wd, w)) = (rand(&[5, width])?, rand(&[5, width])?, rand(&[width])?);
+            let (got, want) = (add_rmsnorm(&xd, &yd, &wd, 1e-5)?, add_rmsnorm(&x, &y, &w, 1e-5)?);
+            check("add_rmsnorm sum", &got.0, &want.0)?;
+            check("add_rmsnorm norm", &got.1, &want.1)?;
+        }
         // Odd halves (element by element), then halves of 16-byte chunks.
         for inter in [333, 512] {
             let (gud, gu) = rand(&[7, 2 * inter])?;
             check("silu_mul", &silu_mul(&gud)?, &silu_mul(&gu)?)?;
         }
-        // Few tokens (a CTA per head), then enough for several heads per CTA.
-        let dims = (6, 2, 10);
-        for tokens in [3, 70] {
-            let ((qd, q), (cd, c), (sd, s)) = (rand(&[tokens, 100])?, rand(&[tokens, 5])?, rand(&[tokens, 5])?);
+        // Few tokens (a CTA per head), then enough for several heads per CTA, then halves of
+        // 8 (16-byte accesses).
+        for (tokens, dims) in [(3, (6, 2, 10)), (70, (6, 2, 10)), (70, (4, 2, 16))] {
+            let (width, half) = ((dims.0 + 2 * dims.1) * dims.2, dims.2 / 2);
+            let ((qd, q), (cd, c), (sd, s)) = (rand(&[tokens, width])?, rand(&[tokens, half])?, rand(&[tokens, half])?);
             let (got, want) = (rope_split(&qd, &cd, &sd, dims)?, rope_split(&q, &c, &s, dims)?);
             check("rope_split q", &got.0, &want.0)?;
             check("rope_split k", &got.1, &want.1)?;
