@@ -181,7 +181,9 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         }
         let secs = median(times);
         // The same prompt without flash attention: the last position's logits must agree.
-        let flash_vs_dense = if mmserve_models::flash_attention_enabled() && device.is_cuda() {
+        // (With dummy weights of ±1e-3 the attention barely moves the residual stream, so
+        // this comparison is blunt there; the kernel's self-test is the sharp one.)
+        let flash_vs_dense = if mmserve_models::flash_attention_applies(&device, dtype, t.head_dim) {
             let with = llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
             mmserve_models::set_flash_attention(false);
             let without = llama.forward_paged(&embeds, &seqs, &mut kv, false);
@@ -226,7 +228,9 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
                 }
             }
             let secs = median(times);
-            let flash_vs_dense = if mmserve_models::flash_attention_enabled() && device.is_cuda() {
+            // (With dummy weights of ±1e-3 the attention barely moves the residual stream, so
+            // this comparison is blunt there; the kernel's self-test is the sharp one.)
+            let flash_vs_dense = if mmserve_models::flash_attention_applies(&device, dtype, t.head_dim) {
                 let with = vision.encode(&pixels)?;
                 mmserve_models::set_flash_attention(false);
                 let without = vision.encode(&pixels);

@@ -45,14 +45,15 @@ fn enabled() -> bool {
     }
 }
 
+/// Whether a model of this dtype and head dim on this device attends through flash
+/// attention now.
+pub fn applies(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    supported(device, dtype, head_dim)
+}
+
 /// Turns flash attention on or off for the whole process (benchmarks only).
 pub fn set_enabled(on: bool) {
     SWITCH.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether flash attention is switched on (whether or not a model uses it).
-pub fn is_enabled() -> bool {
-    enabled()
 }
 
 /// `body` with `T` the element type of a 16-bit float `dtype` and `SUFFIX` its name in

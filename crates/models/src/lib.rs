@@ -39,7 +39,7 @@ pub use clip::ClipVisionTower;
 pub use decoder_fused::self_test as decoder_fused_self_test;
 pub use error::ModelError;
 pub use flash_attention::{
-    is_enabled as flash_attention_enabled, self_test as flash_attention_self_test, set_enabled as set_flash_attention,
+    applies as flash_attention_applies, self_test as flash_attention_self_test, set_enabled as set_flash_attention,
 };
 pub use fused::self_test as fused_self_test;
 pub use gemm_epilogue::self_test as gemm_epilogue_self_test;

@@ -244,17 +244,22 @@ impl Llama {
         let device = self.device().clone();
         let slots = kv.slots(seqs, &device)?;
         // Prefill chunks on the GPU attend through flash attention over the pool when the
-        // kernel covers the model (no gather); otherwise over their gathered blocks.
+        // kernel covers the model (no gather); otherwise over their gathered blocks. The
+        // sequences the decode kernel takes (few new tokens, on the GPU) need no table here:
+        // each one made would be an upload per sequence per step.
         let flash = flash_attention::supported(&device, self.dtype(), cfg.head_dim) && kv.dtype() == self.dtype();
         let tables = seqs
             .iter()
             .map(|s| {
+                if device.is_cuda() && s.new_tokens <= FEW_QUERIES {
+                    return Ok(None);
+                }
                 let blocks = &s.block_table[..(s.start + s.new_tokens).div_ceil(kv.block_size)];
-                Ok(if flash {
+                Ok(Some(if flash {
                     SeqKeys::Flash(PagedTable::new(blocks, &device)?)
                 } else {
                     SeqKeys::Gather(Tensor::new(blocks, &device)?)
-                })
+                }))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
@@ -317,6 +322,9 @@ impl Llama {
                         continue;
                     }
                     let q = q.narrow(0, offset, s.new_tokens)?;
+                    let Some(table) = table else {
+                        candle_core::bail!("a sequence of {} new tokens has no block table", s.new_tokens)
+                    };
                     outs.push(match table {
                         SeqKeys::Flash(t) => {
                             flash_attention::paged(&q, &kv.k[layer], &kv.v[layer], t, s.start, attn.scale())?
