@@ -35,10 +35,16 @@ pub(crate) fn linear(
     }
     #[cfg(feature = "cuda")]
     {
-        let x = x.contiguous()?;
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
         let residual = residual.map(|r| r.contiguous()).transpose()?;
+        // cuBLASLt's heuristic assumes 256-byte aligned operands (its default preference);
+        // a view that starts elsewhere takes the plain path instead.
+        let aligned = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(256);
+        if ![Some(&x), Some(&w), bias, residual.as_ref()].into_iter().flatten().all(aligned) {
+            return Ok(None);
+        }
         let op = cuda::Epilogue { bias, residual: residual.as_ref() };
-        Ok(Some(x.apply_op2_no_bwd(&w.contiguous()?, &op)?))
+        Ok(Some(x.apply_op2_no_bwd(&w, &op)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
