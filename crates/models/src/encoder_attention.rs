@@ -74,7 +74,7 @@ impl SelfAttention {
         let (b, n, d) = x.dims3()?;
         if let Projections::Stacked(qkv) = &self.proj
             && key_mask.is_none()
-            && flash_attention::supported(x.device(), x.dtype(), d / self.num_heads)
+            && flash_attention::applies(x.device(), x.dtype(), d / self.num_heads)
         {
             // Straight from the GEMM's output to the rows out_proj takes.
             let qkv = qkv.forward(&x.reshape((b * n, d))?)?;

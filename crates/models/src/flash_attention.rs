@@ -1,7 +1,7 @@
 //! Flash attention on the GPU (`kernels/flash_attention.cu`; Dao et al. 2022,
 //! "FlashAttention", FlashAttention-2's loop order): softmax(scale · q·kᵀ)·v with the scores
 //! kept in registers, tensor cores for both products, bf16 or f16 with head dims 64 and 128
-//! ([`supported`]). Two callers:
+//! ([`applies`]). Two callers:
 //!
 //! - the encoders ([`packed`]): q, k and v side by side in the stacked q/k/v GEMM's output
 //!   `[B·N, 3·H·hd]`, every query over every key of its item. It replaces the head split,
@@ -27,7 +27,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, Push
 /// Whether the kernel covers this dtype and head dim on this device, and is switched on:
 /// `MMSERVE_FLASH=0` or [`set_enabled`] turn it off (the GEMM-and-softmax path), so that
 /// benchmarks can weigh and compare one against the other.
-pub(crate) fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
+pub fn applies(device: &Device, dtype: DType, head_dim: usize) -> bool {
     enabled() && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
 }
 
@@ -43,12 +43,6 @@ fn enabled() -> bool {
         }
         s => s == 1,
     }
-}
-
-/// Whether a model of this dtype and head dim on this device attends through flash
-/// attention now.
-pub fn applies(device: &Device, dtype: DType, head_dim: usize) -> bool {
-    supported(device, dtype, head_dim)
 }
 
 /// Turns flash attention on or off for the whole process (benchmarks only).

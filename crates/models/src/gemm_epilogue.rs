@@ -57,7 +57,7 @@ pub(crate) fn linear(
 mod cuda {
     use std::collections::HashMap;
     use std::ffi::c_void;
-    use std::sync::{Mutex, OnceLock};
+    use std::sync::{Mutex, MutexGuard};
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublaslt::{result, sys};
@@ -84,15 +84,17 @@ mod cuda {
     // handles may be used from any host thread.
     unsafe impl Send for Lt {}
 
-    static LT: OnceLock<Mutex<Lt>> = OnceLock::new();
+    /// Made on first use, under the lock, so that racing first calls cannot make two.
+    static LT: Mutex<Option<Lt>> = Mutex::new(None);
 
-    fn lt(dev: &candle_core::CudaDevice) -> candle_core::Result<&'static Mutex<Lt>> {
-        if let Some(lt) = LT.get() {
-            return Ok(lt);
+    fn lt(dev: &candle_core::CudaDevice) -> candle_core::Result<MutexGuard<'static, Option<Lt>>> {
+        let mut guard = LT.lock().map_err(|_| candle_core::Error::Msg("cuBLASLt lock poisoned".into()))?;
+        if guard.is_none() {
+            let workspace = dev.cuda_stream().alloc_zeros::<u8>(WORKSPACE).map_err(candle_core::Error::wrap)?;
+            let handle = result::create_handle().map_err(candle_core::Error::wrap)?;
+            *guard = Some(Lt { handle, workspace, algos: HashMap::new() });
         }
-        let handle = result::create_handle().map_err(candle_core::Error::wrap)?;
-        let workspace = dev.cuda_stream().alloc_zeros::<u8>(WORKSPACE).map_err(candle_core::Error::wrap)?;
-        Ok(LT.get_or_init(|| Mutex::new(Lt { handle, workspace, algos: HashMap::new() })))
+        Ok(guard)
     }
 
     /// Descriptors of one call, destroyed on drop.
@@ -254,9 +256,9 @@ mod cuda {
                     let bp = bias_view.as_ref().map(|b| b.device_ptr(&stream));
                     let rp = res_view.as_ref().map(|r| r.device_ptr(&stream));
                     let descs = describe(dtype, m, n, k, bp.as_ref().map(|b| b.0))?;
-                    let mut lt =
-                        lt(&dev)?.lock().map_err(|_| candle_core::Error::Msg("cuBLASLt lock poisoned".into()))?;
-                    let algo = pick(&mut lt, &descs, (m, n, k, dtype, bias.is_some(), residual.is_some()))?;
+                    let mut guard = lt(&dev)?;
+                    let Some(lt) = guard.as_mut() else { candle_core::bail!("cuBLASLt handle missing") };
+                    let algo = pick(lt, &descs, (m, n, k, dtype, bias.is_some(), residual.is_some()))?;
                     let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
                     let c = rp.as_ref().map_or(op, |r| r.0);
                     let (ws, _rws) = lt.workspace.device_ptr(&stream);

@@ -247,7 +247,7 @@ impl Llama {
         // kernel covers the model (no gather); otherwise over their gathered blocks. The
         // sequences the decode kernel takes (few new tokens, on the GPU) need no table here:
         // each one made would be an upload per sequence per step.
-        let flash = flash_attention::supported(&device, self.dtype(), cfg.head_dim) && kv.dtype() == self.dtype();
+        let flash = flash_attention::applies(&device, self.dtype(), cfg.head_dim) && kv.dtype() == self.dtype();
         let tables = seqs
             .iter()
             .map(|s| {
