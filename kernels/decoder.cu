@@ -9,7 +9,8 @@
 // silu_mul: gu [rows, 2I] (gate | up, one fused GEMM's output) → round(round(silu(g)) · u).
 // rope_split: qkv [T, (H + 2K)·D] (one fused GEMM's output) → q [T, H, D] and k [T, K, D]
 //   rotated (rotate_half convention, round(round(a·cos) ∓ round(b·sin))), v [T, K, D],
-//   written one after the other into one buffer. One CTA per token and head.
+//   written one after the other into one buffer, or k and v into their paged-pool slots
+//   (rope_split_kv). One CTA per token and head.
 
 #include "float.cuh"
 
@@ -137,21 +138,33 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, long row
 // decode step's single token still spreads over H + 2K CTAs (blockDim.y = 1), while a
 // prefill's thousands of tokens take several heads per CTA. VEC (prefill, D/2 a multiple
 // of 8): a thread takes 8 consecutive pairs in 16-byte accesses.
-template <typename T, bool VEC>
+// KV: k and v go straight to their slots in the paged pool (kpool, vpool [blocks, K,
+// block_size, D]; token t's slot is slots[t] = block · block_size + row) and `out` holds
+// q only: the step's two write_kv launches and the k, v round trip disappear.
+template <typename T, bool VEC, bool KV>
 __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
-                           T* __restrict__ out, int tokens, int heads, int kv_heads, int hd) {
+                           T* __restrict__ out, int tokens, int heads, int kv_heads, int hd,
+                           T* __restrict__ kpool, T* __restrict__ vpool, const unsigned* __restrict__ slots,
+                           int block_size) {
   constexpr int E = VEC ? ADD_NORM_PER : 1;
   const int t = blockIdx.x, head = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x * E;
   if (head >= heads + 2 * kv_heads) return;
   const int half = hd / 2;
   const T* src = qkv + (long)t * (heads + 2 * kv_heads) * hd + (long)head * hd;
   T* dst;
+  // Where token t's row of kv head `kh` goes in a pool.
+  auto pool_row = [&](T* pool, int kh) {
+    const unsigned slot = slots[t];
+    return pool + (((long)(slot / block_size) * kv_heads + kh) * block_size + slot % block_size) * hd;
+  };
   if (head < heads) {
     dst = out + ((long)t * heads + head) * hd;
   } else if (head < heads + kv_heads) {
-    dst = out + (long)tokens * heads * hd + ((long)t * kv_heads + head - heads) * hd;
+    dst = KV ? pool_row(kpool, head - heads)
+             : out + (long)tokens * heads * hd + ((long)t * kv_heads + head - heads) * hd;
   } else {
-    dst = out + (long)tokens * (heads + kv_heads) * hd + ((long)t * kv_heads + head - heads - kv_heads) * hd;
+    dst = KV ? pool_row(vpool, head - heads - kv_heads)
+             : out + (long)tokens * (heads + kv_heads) * hd + ((long)t * kv_heads + head - heads - kv_heads) * hd;
     for (int j = i; j < hd; j += blockDim.x * E) {
       if (VEC) {
         NormChunk<T> c;
@@ -206,11 +219,24 @@ __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos,
   }                                                                                                        \
   extern "C" __global__ void rope_split_##suffix(const T* qkv, const T* cos, const T* sin, T* out,          \
                                                  int tokens, int heads, int kv_heads, int hd) {            \
-    rope_split<T, false>(qkv, cos, sin, out, tokens, heads, kv_heads, hd);                                 \
+    rope_split<T, false, false>(qkv, cos, sin, out, tokens, heads, kv_heads, hd, nullptr, nullptr, nullptr, 1); \
   }                                                                                                        \
   extern "C" __global__ void rope_split_vec_##suffix(const T* qkv, const T* cos, const T* sin, T* out,      \
                                                      int tokens, int heads, int kv_heads, int hd) {        \
-    rope_split<T, true>(qkv, cos, sin, out, tokens, heads, kv_heads, hd);                                  \
+    rope_split<T, true, false>(qkv, cos, sin, out, tokens, heads, kv_heads, hd, nullptr, nullptr, nullptr, 1); \
+  }                                                                                                        \
+  extern "C" __global__ void rope_split_kv_##suffix(const T* qkv, const T* cos, const T* sin, T* out,       \
+                                                    int tokens, int heads, int kv_heads, int hd, T* kpool,  \
+                                                    T* vpool, const unsigned* slots, int block_size) {      \
+    rope_split<T, false, true>(qkv, cos, sin, out, tokens, heads, kv_heads, hd, kpool, vpool, slots,       \
+                               block_size);                                                                \
+  }                                                                                                        \
+  extern "C" __global__ void rope_split_kv_vec_##suffix(const T* qkv, const T* cos, const T* sin, T* out,   \
+                                                        int tokens, int heads, int kv_heads, int hd,        \
+                                                        T* kpool, T* vpool, const unsigned* slots,          \
+                                                        int block_size) {                                   \
+    rope_split<T, true, true>(qkv, cos, sin, out, tokens, heads, kv_heads, hd, kpool, vpool, slots,        \
+                              block_size);                                                                 \
   }
 
 DECODER(f32, float)

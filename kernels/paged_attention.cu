@@ -202,3 +202,180 @@ __device__ void paged_decode_reduce(const float* __restrict__ part_acc, const fl
 DECODE_ALL(f32, float)
 DECODE_ALL(bf16, __nv_bfloat16)
 DECODE_ALL(f16, __half)
+
+// ---------------------------------------------------------------------------------------
+// The tiled variant, for 16-bit T and head dims 64 and 128 with 16-byte aligned rows (the
+// models we serve). The kernel above keeps two rows a warp in flight, each a dependent
+// chain of loads, a warp sum and an exp: at batch 1 a layer's attention took 5× the time
+// its bytes need. Here a row is read by LPR lanes in 16-byte loads (RPL rows a warp-load),
+// and each lane issues all LOADS of its K and V rows before using any, so a warp has
+// TILE rows in flight. Each group of LPR lanes keeps its own online softmax (base 2: q is
+// pre-scaled by log2 e) over the rows it reads; the CTA combines its groups in shared
+// memory, and with several splits the last CTA of a head to finish (an atomic count per
+// head, reset by that CTA) combines the splits: no second launch.
+#define TWARPS 4
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __nv_bfloat16*) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __half*) {
+  const __half2* p = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <typename T, int HD>
+__device__ void paged_decode_tiled(const T* __restrict__ q, const T* __restrict__ kpool,
+                                   const T* __restrict__ vpool, const unsigned* __restrict__ meta,
+                                   T* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                   unsigned* __restrict__ counters, int heads, int kv_heads, int block_size,
+                                   int width, int split_len, float scale_log2) {
+  constexpr int LPR = HD / 8;        // lanes per row, 8 elements (16 bytes) each
+  constexpr int RPL = 32 / LPR;      // rows a warp reads per load
+  constexpr int LOADS = 8;           // K (and V) loads in flight per lane
+  constexpr int TILE = RPL * LOADS;  // rows per warp per step
+  constexpr int STATES = TWARPS * RPL;
+  const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = lane / LPR, sub = lane % LPR;
+  const int kvh = h / (heads / kv_heads);
+  const unsigned* seq_meta = meta + (size_t)s * (1 + width);
+  const int len = (int)seq_meta[0];
+  const unsigned* table = seq_meta + 1;
+  const int begin = split * split_len;
+  const int end = min(len, begin + split_len);
+  const size_t head_row = (size_t)s * heads + h;
+
+  float qf[8];
+  unpack8(*reinterpret_cast<const uint4*>(q + head_row * HD + sub * 8), qf, (const T*)nullptr);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) qf[e] *= scale_log2;
+
+  float m = -INFINITY, l = 0.f, acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  for (int base = begin + warp * TILE; base < end; base += TWARPS * TILE) {
+    uint4 kr[LOADS], vr[LOADS];
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      // Rows past the end re-read the last one; their scores are dropped below.
+      const int p = min(base + j * RPL + group, end - 1);
+      const size_t row =
+          (((size_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size) * HD + sub * 8;
+      kr[j] = *reinterpret_cast<const uint4*>(kpool + row);
+      vr[j] = *reinterpret_cast<const uint4*>(vpool + row);
+    }
+    float sc[LOADS], mt = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      float kf[8];
+      unpack8(kr[j], kf, (const T*)nullptr);
+      float d = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d = fmaf(qf[e], kf[e], d);
+#pragma unroll
+      for (int o = LPR / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      sc[j] = base + j * RPL + group < end ? d : -INFINITY;
+      mt = fmaxf(mt, sc[j]);
+    }
+    const float m2 = fmaxf(m, mt);
+    // m2 is -inf only while this group has seen no row: nothing to add yet.
+    const float c = m2 == -INFINITY ? 1.f : exp2f(m - m2);
+    l *= c;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= c;
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const float p = sc[j] == -INFINITY ? 0.f : exp2f(sc[j] - m2);
+      float vf[8];
+      unpack8(vr[j], vf, (const T*)nullptr);
+      l += p;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
+    }
+    m = m2;
+  }
+
+  // The CTA's groups, combined: thread d < HD takes dimension d.
+  __shared__ float sm_m[STATES], sm_l[STATES], sm_acc[STATES][HD];
+  __shared__ bool last;
+  const int st = warp * RPL + group;
+  if (sub == 0) {
+    sm_m[st] = m;
+    sm_l[st] = l;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sm_acc[st][sub * 8 + e] = acc[e];
+  __syncthreads();
+  const int d = threadIdx.x;
+  float mx = -INFINITY, total = 0.f, sum = 0.f;
+  if (d < HD) {
+#pragma unroll
+    for (int i = 0; i < STATES; ++i) mx = fmaxf(mx, sm_m[i]);
+#pragma unroll
+    for (int i = 0; i < STATES; ++i) {
+      // A group that saw no row has max -inf and sum 0: weight 0 (no NaN).
+      const float w = sm_m[i] == -INFINITY ? 0.f : exp2f(sm_m[i] - mx);
+      total += sm_l[i] * w;
+      sum += sm_acc[i][d] * w;
+    }
+  }
+  if (splits == 1) {
+    // Position 0 is in the only split, so total > 0.
+    if (d < HD) out[head_row * HD + d] = from_f32<T>(sum / total);
+    return;
+  }
+  if (d < HD) {
+    part_acc[(head_row * splits + split) * HD + d] = sum;
+    if (d == 0) {
+      part_ml[(head_row * splits + split) * 2] = mx;
+      part_ml[(head_row * splits + split) * 2 + 1] = total;
+    }
+  }
+  // Publish the partial, then count it; the CTA that counts last combines them all.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counters + head_row, 1u) == (unsigned)splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (d < HD) {
+    const float* ml = part_ml + head_row * splits * 2;
+    float gm = -INFINITY;
+    for (int j = 0; j < splits; ++j) gm = fmaxf(gm, __ldcg(ml + 2 * j));
+    float gt = 0.f, gs = 0.f;
+    for (int j = 0; j < splits; ++j) {
+      const float mj = __ldcg(ml + 2 * j);
+      if (mj == -INFINITY) continue;
+      const float w = exp2f(mj - gm);
+      gt += __ldcg(ml + 2 * j + 1) * w;
+      gs += __ldcg(part_acc + (head_row * splits + j) * HD + d) * w;
+    }
+    out[head_row * HD + d] = from_f32<T>(gs / gt);
+  }
+  // Ready for the next launch (the next layer), which the stream orders after this one.
+  if (threadIdx.x == 0) counters[head_row] = 0;
+}
+
+#define TILED(SUFFIX, T, HD)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(TWARPS * 32) paged_decode_tiled_##SUFFIX##_##HD(                \
+      const T* q, const T* k, const T* v, const unsigned* meta, T* out, float* part_acc, float* part_ml,      \
+      unsigned* counters, int heads, int kv_heads, int block_size, int width, int split_len, float scale) {   \
+    paged_decode_tiled<T, HD>(q, k, v, meta, out, part_acc, part_ml, counters, heads, kv_heads, block_size,   \
+                              width, split_len, scale);                                                       \
+  }
+TILED(bf16, __nv_bfloat16, 64)
+TILED(bf16, __nv_bfloat16, 128)
+TILED(f16, __half, 64)
+TILED(f16, __half, 128)

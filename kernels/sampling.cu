@@ -200,3 +200,39 @@ extern "C" __global__ void sample_rows(const float* logits, int n, const double*
   const u64 key = crossing(r, bound, false, draw + 1, hist, shared);
   if (threadIdx.x == 0) out[blockIdx.x] = 0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFull);
 }
+
+// The argmax of each row of f32 logits [rows, n], one block a row: the first index on ties
+// (as torch.argmax and the host's argmax). Keys (order-preserving bits << 32) | ~id make
+// one max reduction do both; NaN gets the lowest key.
+__device__ __forceinline__ u64 argmax_key(float x, unsigned i) {
+  const unsigned b = __float_as_uint(x);
+  const unsigned ordered = x != x ? 0u : (b & 0x80000000u) ? ~b : b | 0x80000000u;
+  return ((u64)ordered << 32) | (u64)(0xFFFFFFFFu - i);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float* logits, int n, unsigned* out) {
+  const float* row = logits + (size_t)blockIdx.x * n;
+  u64 best = 0;
+  // 16-byte loads where the row starts aligned (rows of a multiple of 4); else scalar.
+  int i0 = 0;
+  if ((reinterpret_cast<size_t>(row) & 15) == 0) {
+    const int vecs = n / 4;
+    for (int v = threadIdx.x; v < vecs; v += THREADS) {
+      const float4 x = reinterpret_cast<const float4*>(row)[v];
+      const u64 a = max(argmax_key(x.x, 4 * v), argmax_key(x.y, 4 * v + 1));
+      const u64 b = max(argmax_key(x.z, 4 * v + 2), argmax_key(x.w, 4 * v + 3));
+      best = max(best, max(a, b));
+    }
+    i0 = vecs * 4;
+  }
+  for (int i = i0 + threadIdx.x; i < n; i += THREADS) best = max(best, argmax_key(row[i], i));
+  __shared__ u64 scratch[THREADS / 32];
+  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffff, best, o));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    best = scratch[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffff, best, o));
+    if (threadIdx.x == 0) out[blockIdx.x] = 0xFFFFFFFFu - (unsigned)(best & 0xFFFFFFFFu);
+  }
+}

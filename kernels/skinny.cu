@@ -30,12 +30,23 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __h
 // Each warp takes R rows of W: R = 2 for wide layers (fewer x loads per weight byte),
 // R = 1 for narrow ones (N <= 8192), where two rows a warp left too few warps per SM to
 // keep enough loads in flight.
-template <typename T, int M, int R>
+// SILU: W is a gate and an up projection stacked ([2I, K]); warp w takes the R / 2 gate
+// rows j = w · R/2 … and their up rows I + j, and writes y [M, I] = silu_mul's
+// round(round(silu(g)) · u) of each pair, rounded to T as the GEMV-then-silu_mul path
+// rounds them: no second launch, no [M, 2I] round trip.
+template <typename T, int M, int R, bool SILU>
 __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
                        T* __restrict__ y, int n, int k) {
+  static_assert(!SILU || R % 2 == 0, "the gate and up rows come in pairs");
+  constexpr int P = SILU ? R / 2 : R;  // outputs a warp writes per row of x
   const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= n) return;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int half = n / 2;
+  const int row0 = warp * P;
+  const int outs = SILU ? half : n;
+  // Row r of the warp's R: gate rows row0.., then (SILU) up rows half + row0..
+  auto row_of = [&](int r) { return SILU && r >= P ? half + row0 + r - P : row0 + r; };
+  if (row0 >= outs) return;
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m)
@@ -49,7 +60,7 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
     for (int r = 0; r < R; ++r) {
       uint4 v = make_uint4(0, 0, 0, 0);
       // Weights are read once: streamed past L1, which keeps x.
-      if (row0 + r < n) v = __ldcs(reinterpret_cast<const uint4*>(w + (size_t)(row0 + r) * k) + c);
+      if (row0 + (r % P) < outs) v = __ldcs(reinterpret_cast<const uint4*>(w + (size_t)row_of(r) * k) + c);
       unpack8(v, wf[r], (const T*)nullptr);
     }
 #pragma unroll
@@ -63,28 +74,47 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
     }
   }
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int m = 0; m < M; ++m) {
+    float out[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
+    for (int i = 0; i < R; ++i) {
+      float v = acc[m][i];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && row0 + r < n) {
-        T out = from_f32<T>(v);
-        if (bias) out = from_f32<T>(to_f32(out) + to_f32(bias[row0 + r]));
-        y[(size_t)m * n + row0 + r] = out;
-      }
+      out[i] = r<T>(v);
+      if (bias && row0 + (i % P) < outs) out[i] = r<T>(out[i] + to_f32(bias[row_of(i)]));
     }
+    if (lane != 0) continue;
+    if (SILU) {
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const float g = out[i];
+        if (row0 + i < outs) y[(size_t)m * half + row0 + i] = from_f32<T>(r<T>(g / (1.f + expf(-g))) * out[P + i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+        if (row0 + i < n) y[(size_t)m * n + row0 + i] = from_f32<T>(out[i]);
+    }
+  }
 }
 
 #define SKINNY_M(suffix, T, M)                                                                             \
   extern "C" __global__ void skinny_##suffix##_##M##_1(const T* x, const T* w, const T* bias, T* y, int n, \
                                                         int k) {                                         \
-    skinny<T, M, 1>(x, w, bias, y, n, k);                                                                \
+    skinny<T, M, 1, false>(x, w, bias, y, n, k);                                                         \
   }                                                                                                      \
   extern "C" __global__ void skinny_##suffix##_##M##_2(const T* x, const T* w, const T* bias, T* y, int n, \
                                                         int k) {                                         \
-    skinny<T, M, 2>(x, w, bias, y, n, k);                                                                \
+    skinny<T, M, 2, false>(x, w, bias, y, n, k);                                                         \
+  }                                                                                                      \
+  extern "C" __global__ void skinny_silu_##suffix##_##M##_1(const T* x, const T* w, const T* bias, T* y,    \
+                                                           int n, int k) {                               \
+    skinny<T, M, 2, true>(x, w, bias, y, n, k);                                                          \
+  }                                                                                                      \
+  extern "C" __global__ void skinny_silu_##suffix##_##M##_2(const T* x, const T* w, const T* bias, T* y,    \
+                                                           int n, int k) {                               \
+    skinny<T, M, 4, true>(x, w, bias, y, n, k);                                                          \
   }
 #define SKINNY(suffix, T) \
   SKINNY_M(suffix, T, 1)  \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Finer GPU profiles than profile.sh, on the H200 after the same build (.gpu carried):
 #   launches: per-launch durations of one vision batch of 32, grouped by kernel and grid
-#             (cuBLAS runs one kernel name for several shapes);
+#             (cuBLAS runs one kernel name for several shapes); decode1: the same for
+#             decode steps at batch 1;
 #   flash:    Nsight Compute's throughput, occupancy and stall sections for one launch of
 #             each flash attention kernel (prefill over the pool, the encoder's).
 # Usage: DETAIL="launches flash" bash benches/gpu/profile_detail.sh
@@ -10,12 +11,12 @@ OUT=${OUT:-/tmp/mmserve-gpu}
 mkdir -p "$OUT"
 bin=.gpu/bin/mmserve
 model=(--model assets/models/llava-1.5-7b-hf --load-format dummy --device cuda --dtype bfloat16 --repeats 0)
-for d in ${DETAIL:-launches flash}; do
-  case $d in
-    launches)
-      timeout 240 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
-        "$bin" bench model "${model[@]}" --batches 0 --prefill 0 --images 32 > "$OUT/launches.csv" 2> "$OUT/launches.err"
-      python3 - "$OUT/launches.csv" <<'PY'
+launches() {
+  local name=$1; shift
+  timeout 240 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+    "$bin" bench model "${model[@]}" "$@" > "$OUT/launches_$name.csv" 2> "$OUT/launches_$name.err"
+  echo "== launches: $name"
+  python3 - "$OUT/launches_$name.csv" <<'PY'
 import csv, sys, collections
 rows = list(csv.reader(open(sys.argv[1])))
 head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
@@ -29,10 +30,14 @@ for r in rows[head + 1:]:
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1, "usecond": 1, "ms": 1e3, "msecond": 1e3}[r[u]]
     agg[(r[k][:60], r[g])].append(float(r[v].replace(",", "")) * scale)
 tot = sorted(((sum(t), len(t), key) for key, t in agg.items()), reverse=True)
-for t, n, (name, grid) in tot[:24]:
+for t, n, (name, grid) in tot[:32]:
     print(f"{t/1e3:8.2f} ms {n:5d}x {t/n:8.1f} us  {grid:>16}  {name}")
 PY
-      ;;
+}
+for d in ${DETAIL:-launches flash}; do
+  case $d in
+    launches) launches vision32 --batches 0 --prefill 0 --images 32 ;;
+    decode1) launches decode1 --batches 1 --prompt 512 --output 4 --prefill 0 --images 0 ;;
     flash)
       for spec in "flash_paged --batches 0 --prefill 2048 --images 0" "flash_dense --batches 0 --prefill 0 --images 32"; do
         set -- $spec; name=$1; shift

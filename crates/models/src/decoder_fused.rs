@@ -4,6 +4,8 @@
 //! bound by launches, not bytes). Each has a CPU twin, the reference its kernel is tested
 //! against ([`self_test`]); the model calls them on the GPU only.
 
+#[cfg(feature = "cuda")]
+use candle_core::Storage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 use crate::ModelError;
@@ -185,13 +187,25 @@ impl CustomOp1 for SiluMul {
 
 /// RoPE on the q and k parts of a fused `[T, (H + 2K)·D]` projection; q, k and v written
 /// one after the other (`T·H·D`, `T·K·D`, `T·K·D` elements) into one flat tensor.
-struct RopeSplit {
+struct RopeSplit<'a> {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Where k and v go instead of the output (GPU only): see [`rope_split_into`].
+    pools: Option<PoolSlots<'a>>,
 }
 
-impl RopeSplit {
+/// One layer's K and V pools [blocks, kv_heads, block_size, head_dim] and each new
+/// token's slot (u32 [T], `block · block_size + row`), every slot inside the pools.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct PoolSlots<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub slots: &'a Tensor,
+}
+
+impl RopeSplit<'_> {
     fn dims(&self, lx: &Layout, lc: &Layout, ls: &Layout) -> candle_core::Result<usize> {
         contiguous("rope_split", &[lx, lc, ls])?;
         let (t, width) = lx.shape().dims2()?;
@@ -204,6 +218,26 @@ impl RopeSplit {
             candle_core::bail!("rope_split: shapes {:?}, {:?} do not fit", lx.shape(), lc.shape());
         }
         Ok(t)
+    }
+
+    /// The pools' block size, once their shapes, dtype and the slots fit `t` tokens.
+    #[cfg(feature = "cuda")]
+    fn check_pools(&self, p: PoolSlots<'_>, t: usize, dtype: DType) -> candle_core::Result<usize> {
+        let (_, kvh, bs, hd) = p.k.dims4()?;
+        let fits = p.k.shape() == p.v.shape()
+            && (kvh, hd) == (self.kv_heads, self.head_dim)
+            && bs > 0
+            && p.k.dtype() == dtype
+            && p.v.dtype() == dtype
+            && p.k.is_contiguous()
+            && p.v.is_contiguous()
+            && p.slots.dtype() == DType::U32
+            && p.slots.is_contiguous()
+            && p.slots.dims1()? == t;
+        if !fits {
+            candle_core::bail!("rope_split: pools {:?} or slots {:?} do not fit", p.k.shape(), p.slots.shape());
+        }
+        Ok(bs)
     }
 
     fn reference<T: FromF32>(&self, qkv: &[T], cos: &[T], sin: &[T], t: usize) -> Vec<T> {
@@ -235,7 +269,7 @@ impl RopeSplit {
     }
 }
 
-impl CustomOp3 for RopeSplit {
+impl CustomOp3 for RopeSplit<'_> {
     fn name(&self) -> &'static str {
         "rope_split"
     }
@@ -250,6 +284,9 @@ impl CustomOp3 for RopeSplit {
         ls: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let t = self.dims(lx, lc, ls)?;
+        if self.pools.is_some() {
+            candle_core::bail!("rope_split into the pool runs on the GPU only");
+        }
         let (ox, oc, os) = (lx.start_offset(), lc.start_offset(), ls.start_offset());
         let out = cpu_float!("rope_split", (x, c, s) => self.reference(&x[ox..], &c[oc..], &s[os..], t));
         Ok((out, Shape::from(lx.shape().elem_count())))
@@ -267,7 +304,13 @@ impl CustomOp3 for RopeSplit {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let t = self.dims(lx, lc, ls)?;
         let dev = x.device().clone();
-        let n = lx.shape().elem_count();
+        let n = if self.pools.is_some() { t * self.heads * self.head_dim } else { lx.shape().elem_count() };
+        let block_size = match self.pools {
+            Some(p) => self.check_pools(p, t, x.dtype())? as i32,
+            None => 0,
+        };
+        let guards =
+            self.pools.map(|p| (p.k.storage_and_layout(), p.v.storage_and_layout(), p.slots.storage_and_layout()));
         let all_heads = (self.heads + 2 * self.kv_heads) as u32;
         let half = self.head_dim / 2;
         // Many tokens (prefill) with halves of 8: a thread takes 8 pairs in 16-byte accesses.
@@ -287,13 +330,34 @@ impl CustomOp3 for RopeSplit {
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
             let c = c.as_cuda_slice::<T>()?.slice(lc.start_offset()..);
             let s = s.as_cuda_slice::<T>()?.slice(ls.start_offset()..);
-            // SAFETY: every q, k and v element of every token is written.
+            // SAFETY: every q (and, without pools, k and v) element of every token is written.
             let mut out = unsafe { dev.alloc::<T>(n)? };
-            let name = format!("rope_split{}_{SUFFIX}", if vec { "_vec" } else { "" });
+            let kv = if self.pools.is_some() { "_kv" } else { "" };
+            let name = format!("rope_split{kv}{}_{SUFFIX}", if vec { "_vec" } else { "" });
             let func = dev.get_or_load_custom_func(&name, "mmserve_decoder", PTX)?;
             let mut b = func.builder();
             b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(&t_arg).arg(&h).arg(&k).arg(&d);
-            // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements.
+            let views = match &guards {
+                Some(((kg, kl), (vg, vl), (sg, sl))) => {
+                    let (Storage::Cuda(kc), Storage::Cuda(vc), Storage::Cuda(sc)) = (&**kg, &**vg, &**sg) else {
+                        candle_core::bail!("rope_split: the pools are not on the GPU")
+                    };
+                    Some((
+                        kc.as_cuda_slice::<T>()?.slice(kl.start_offset()..),
+                        vc.as_cuda_slice::<T>()?.slice(vl.start_offset()..),
+                        sc.as_cuda_slice::<u32>()?.slice(sl.start_offset()..),
+                    ))
+                }
+                None => None,
+            };
+            if let Some((kp, vp, slots)) = &views {
+                b.arg(kp).arg(vp).arg(slots).arg(&block_size);
+            }
+            // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements,
+            // or q's [T, H·D] and each token's K·D keys and values at its slot of the pools,
+            // inside them (`PoolSlots`' contract; shapes and dtypes checked above). The
+            // pools are written through views taken under read locks: device memory that
+            // only this stream touches, in order, while the caller holds the pools.
             unsafe { b.launch(cfg) }.w()?;
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
@@ -328,7 +392,7 @@ pub(crate) fn rope_split(
     (heads, kv_heads, head_dim): (usize, usize, usize),
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let t = qkv.dim(0)?;
-    let op = RopeSplit { heads, kv_heads, head_dim };
+    let op = RopeSplit { heads, kv_heads, head_dim, pools: None };
     let flat = qkv.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)?;
     let (nq, nk) = (t * heads * head_dim, t * kv_heads * head_dim);
     Ok((
@@ -336,6 +400,20 @@ pub(crate) fn rope_split(
         flat.narrow(0, nq, nk)?.reshape((t, kv_heads, head_dim))?,
         flat.narrow(0, nq + nk, nk)?.reshape((t, kv_heads, head_dim))?,
     ))
+}
+
+/// [`rope_split`] that writes k and v into their slots of `pools` (the GPU): q [T, H, D].
+pub(crate) fn rope_split_into(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    pools: PoolSlots<'_>,
+) -> candle_core::Result<Tensor> {
+    let t = qkv.dim(0)?;
+    let op = RopeSplit { heads, kv_heads, head_dim, pools: Some(pools) };
+    let q = qkv.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)?;
+    q.reshape((t, heads, head_dim))
 }
 
 /// Runs the kernels on `device` against their CPU twins on random inputs (odd sizes;
@@ -387,6 +465,25 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             check("rope_split q", &got.0, &want.0)?;
             check("rope_split k", &got.1, &want.1)?;
             check("rope_split v", &got.2, &want.2)?;
+            if device.is_cuda() {
+                // Into a poisoned pool of blocks of 5 at shuffled slots: the GPU's fused write
+                // against the CPU's rope_split, then write_kv.
+                let (kvh, hd) = (dims.1, dims.2);
+                // Every other slot, backwards: distinct, across blocks, out of order.
+                let blocks = (2 * tokens).div_ceil(5) + 1;
+                let slots: Vec<u32> = (0..tokens as u32).rev().map(|i| 2 * i + 1).collect();
+                let pool = Tensor::full(1e4f32, (blocks, kvh, 5, hd), &Device::Cpu)?.to_dtype(dtype)?;
+                let (kc, vc) = (pool.copy()?, pool.copy()?);
+                let (kd, vd) = (pool.to_device(device)?, pool.to_device(device)?);
+                let slots_c = Tensor::new(slots.as_slice(), &Device::Cpu)?;
+                let slots_d = slots_c.to_device(device)?;
+                crate::kv_write::write_kv(&kc, &want.1.contiguous()?, &slots_c)?;
+                crate::kv_write::write_kv(&vc, &want.2.contiguous()?, &slots_c)?;
+                let q = rope_split_into(&qd, &cd, &sd, dims, PoolSlots { k: &kd, v: &vd, slots: &slots_d })?;
+                check("rope_split_into q", &q, &want.0)?;
+                check("rope_split_into k pool", &kd, &kc)?;
+                check("rope_split_into v pool", &vd, &vc)?;
+            }
         }
     }
     Ok(bad)

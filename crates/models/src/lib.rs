@@ -53,6 +53,6 @@ pub use paged::{PagedKv, PagedSeq};
 pub use paged_attention::self_test as paged_attention_self_test;
 pub use patch_embed::self_test as patch_embed_self_test;
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
-pub use sampling::{SampleSettings, sample_rows, self_test as sampling_self_test};
+pub use sampling::{SampleSettings, argmax_rows, sample_rows, self_test as sampling_self_test};
 pub use skinny::self_test as skinny_self_test;
 pub use weights::{Naming, Weights, parse_dtype};

@@ -4,7 +4,8 @@
 //! kernel: candle's broadcast add was the vision tower's largest elementwise cost. In
 //! 16-bit, from 32 rows, the bias (and a residual, [`Linear::forward_residual`]) ride in a
 //! cuBLASLt GEMM's epilogue instead (`gemm_epilogue.rs`). One row (decode steps) takes our
-//! skinny kernel, bias included (`skinny.rs`).
+//! skinny kernel, bias included (`skinny.rs`), and for a stacked gate and up projection
+//! the SiLU product too ([`Linear::forward_silu_mul`]).
 
 use candle_core::{Module, Tensor};
 
@@ -40,6 +41,19 @@ impl Linear {
 }
 
 impl Linear {
+    /// `silu(g) · u` where this layer stacks a gate and an up projection (`[g | u]` =
+    /// x·Wᵀ + b, see [`Linear::stack`]) and x is [rows, in]: [rows, out / 2]. On the GPU
+    /// at few rows one skinny launch; elsewhere the layer, then `silu_mul`.
+    pub fn forward_silu_mul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if x.device().is_cuda()
+            && x.rank() == 2
+            && let Some(y) = crate::skinny::linear_silu(x, self.inner.weight(), self.inner.bias())?
+        {
+            return Ok(y);
+        }
+        crate::decoder_fused::silu_mul(&self.forward(x)?)
+    }
+
     /// `residual + x·Wᵀ + b`: on the GPU in 16-bit one GEMM with both in its epilogue
     /// (`gemm_epilogue.rs`); elsewhere the layer, then the add.
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {

@@ -17,7 +17,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use crate::decoder_fused::{ADD_RMSNORM_MAX_WIDTH, add_rmsnorm, rope_split, silu_mul};
+use crate::decoder_fused::{ADD_RMSNORM_MAX_WIDTH, PoolSlots, add_rmsnorm, rope_split, rope_split_into};
 use crate::fused::scaled_softmax;
 use crate::linear::Linear;
 use mmserve_config::{LlamaConfig, ModelDir};
@@ -65,6 +65,15 @@ impl KvCache {
             };
         }
     }
+}
+
+/// Every layer's K and V pools ([blocks, kv_heads, block_size, head_dim] each) and the
+/// step's new rows' slots in them (u32 [T]), for projections that write k and v there.
+#[derive(Clone, Copy)]
+pub(crate) struct LayerPools<'a> {
+    pub k: &'a [Tensor],
+    pub v: &'a [Tensor],
+    pub slots: &'a Tensor,
 }
 
 /// One sequence of a batched forward step.
@@ -116,16 +125,25 @@ impl Attention {
 
     /// Queries, keys and values of the rows `x` [T, hidden], RoPE applied with
     /// `cos`/`sin` [T, head_dim / 2]: q [T, heads, head_dim], k and v [T, kv_heads, head_dim].
+    /// Given `pools` of the projection's dtype, the fused projection writes k and v into
+    /// their slots itself and returns none.
     pub(crate) fn project(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        pools: Option<PoolSlots<'_>>,
+    ) -> candle_core::Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let t = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let (q, k, v) = match &self.qkv {
-            QkvProj::Fused(qkv) => return rope_split(&qkv.forward(x)?, cos, sin, (nh, nkv, hd)),
+            QkvProj::Fused(qkv) => {
+                let qkv = qkv.forward(x)?;
+                return match pools.filter(|p| p.k.dtype() == qkv.dtype()) {
+                    Some(p) => Ok((rope_split_into(&qkv, cos, sin, (nh, nkv, hd), p)?, None)),
+                    None => rope_split(&qkv, cos, sin, (nh, nkv, hd)).map(|(q, k, v)| (q, Some((k, v)))),
+                };
+            }
             QkvProj::Separate { q, k, v } => (q, k, v),
         };
         let q = q.forward(x)?.reshape((1, t, nh, hd))?;
@@ -133,7 +151,7 @@ impl Attention {
         let v = v.forward(x)?.reshape((t, nkv, hd))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, cos, sin)?.squeeze(0)?;
-        Ok((q, k, v))
+        Ok((q, Some((k, v))))
     }
 
     /// The softmax scale, `head_dim^-½`.
@@ -267,7 +285,7 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let h = match &self.gate_up {
-            GateUp::FusedSilu(gate_up) => silu_mul(&gate_up.forward(x)?)?,
+            GateUp::FusedSilu(gate_up) => gate_up.forward_silu_mul(x)?,
             GateUp::Separate { gate, up, act } => (act.apply(&gate.forward(x)?)? * up.forward(x)?)?,
         };
         self.down_proj.forward(&h)
@@ -438,20 +456,24 @@ impl Llama {
     fn run(&self, input_embeds: &Tensor, seqs: &mut [SeqInput<'_>], all_rows: bool) -> candle_core::Result<Tensor> {
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.cache.len..s.cache.len + s.new_tokens).collect();
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
-        self.run_layers(input_embeds, &positions, (!all_rows).then_some(&lens[..]), |layer, attn, qkv| {
-            attn.forward_contiguous(qkv, seqs, layer)
+        self.run_layers(input_embeds, &positions, (!all_rows).then_some(&lens[..]), None, |layer, attn, q, kv| {
+            let Some((k, v)) = kv else { candle_core::bail!("no keys and values for the contiguous cache") };
+            attn.forward_contiguous((q, k, v), seqs, layer)
         })
     }
 
     /// The decoder stack over `input_embeds` [T, hidden] at `positions` (one per row):
-    /// `attention(layer, attn, (q, k, v))` gives each layer's attention output before
-    /// `o_proj`. With `last_of`, only the last row of each run of that many rows is kept.
+    /// `attention(layer, attn, q, Some((k, v)))` gives each layer's attention output before
+    /// `o_proj`; with `pools`, layers whose projection writes k and v into their slots
+    /// itself pass `None` instead. With `last_of`, only the last row of each run of that
+    /// many rows is kept.
     pub(crate) fn run_layers(
         &self,
         input_embeds: &Tensor,
         positions: &[usize],
         last_of: Option<&[usize]>,
-        mut attention: impl FnMut(usize, &Attention, (&Tensor, &Tensor, &Tensor)) -> candle_core::Result<Tensor>,
+        pools: Option<LayerPools<'_>>,
+        mut attention: impl FnMut(usize, &Attention, &Tensor, Option<(&Tensor, &Tensor)>) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
         let positions: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
         let positions = Tensor::from_vec(positions, (input_embeds.dim(0)?, 1), self.device())?;
@@ -466,8 +488,9 @@ impl Llama {
         for (i, layer) in self.layers.iter().enumerate() {
             let h = add_norm(&layer.input_layernorm, &mut x, pending.take(), fused)?;
             let attn = &layer.self_attn;
-            let (q, k, v) = attn.project(&h, &cos, &sin)?;
-            let out = attn.o_proj.forward(&attention(i, attn, (&q, &k, &v))?)?;
+            let layer_pools = pools.map(|p| PoolSlots { k: &p.k[i], v: &p.v[i], slots: p.slots });
+            let (q, kv) = attn.project(&h, &cos, &sin, layer_pools)?;
+            let out = attn.o_proj.forward(&attention(i, attn, &q, kv.as_ref().map(|(k, v)| (k, v)))?)?;
             let h = add_norm(&layer.post_attention_layernorm, &mut x, Some(out), fused)?;
             pending = Some(layer.mlp.forward(&h)?);
         }

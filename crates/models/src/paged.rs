@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::ModelError;
 use crate::flash_attention::{self, PagedTable};
 use crate::kv_write::write_kv;
-use crate::llama::Llama;
+use crate::llama::{LayerPools, Llama};
 use crate::paged_attention::{DecodeTables, paged_decode};
 
 /// The KV pool of one model: per layer, K and V `[num_blocks, kv_heads, block_size, head_dim]`.
@@ -291,9 +291,17 @@ impl Llama {
         } else {
             None
         };
-        let hidden =
-            self.run_layers(input_embeds, &positions, (!all_logits).then_some(&lens[..]), |layer, attn, (q, k, v)| {
-                kv.write(layer, &slots, k, v)?;
+        // On the GPU the q/k/v projection writes k and v into their slots itself.
+        let pools = device.is_cuda().then_some(LayerPools { k: &kv.k, v: &kv.v, slots: &slots });
+        let hidden = self.run_layers(
+            input_embeds,
+            &positions,
+            (!all_logits).then_some(&lens[..]),
+            pools,
+            |layer, attn, q, new| {
+                if let Some((k, v)) = new {
+                    kv.write(layer, &slots, k, v)?;
+                }
                 let mut few = None;
                 match &decodes {
                     Some(DecodeAttention::InPlace(tables, None)) => {
@@ -338,7 +346,8 @@ impl Llama {
                     offset += s.new_tokens;
                 }
                 Tensor::cat(&outs, 0)
-            })?;
+            },
+        )?;
         Ok(candle_core::Module::forward(self.lm_head(), &hidden)?.to_dtype(DType::F32)?)
     }
 }

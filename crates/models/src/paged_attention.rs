@@ -1,8 +1,9 @@
 //! Decode attention read in place from the paged KV pool: each sequence's one new query
 //! attends over its cached keys and values through its block table, with no gather. On the
-//! GPU our kernel (`kernels/paged_attention.cu`: online softmax, one CTA per head, split
-//! over positions when the batch is small); on the CPU a plain two-pass softmax in f32,
-//! which is the reference the kernel is tested against.
+//! GPU our kernels (`kernels/paged_attention.cu`: online softmax, one CTA per head, split
+//! over positions when the batch is small; a tiled one with many rows in flight per warp
+//! for 16-bit models of head dim 64 or 128); on the CPU a plain two-pass softmax in f32,
+//! which is the reference the kernels are tested against.
 //!
 //! The gather it replaces copied every sequence's blocks, padded to the longest, into a
 //! dense tensor per layer: at batch 64 that was twice the KV cache's bytes moved per layer.
@@ -32,6 +33,10 @@ pub(crate) struct DecodeTables {
     max_len: usize,
     /// The largest block id named, checked against the pool before the kernel trusts it.
     max_block: u32,
+    /// The tiled kernel's count of finished splits per (sequence, head), zeros between
+    /// launches: made by the first launch that splits, reused by every layer of the step.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    counters: std::sync::OnceLock<Tensor>,
 }
 
 impl DecodeTables {
@@ -50,8 +55,19 @@ impl DecodeTables {
         let max_len = seqs.iter().map(|s| s.0).max().unwrap_or(0);
         let max_block = seqs.iter().flat_map(|&(len, t)| &t[..len.div_ceil(block_size)]).copied().max().unwrap_or(0);
         let meta = Tensor::from_vec(meta, (seqs.len(), 1 + width), device)?;
-        Ok(DecodeTables { meta, seqs: seqs.len(), width, max_len, max_block })
+        Ok(DecodeTables { meta, seqs: seqs.len(), width, max_len, max_block, counters: Default::default() })
     }
+}
+
+#[cfg(feature = "cuda")]
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
+
+/// Whether 16-bit models of head dim 64 or 128 take the tiled kernel: yes unless
+/// `MMSERVE_DECODE_TILED=0` (for benchmarking it against the other).
+#[cfg(feature = "cuda")]
+fn tiled_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MMSERVE_DECODE_TILED").map_or(true, |v| v != "0"))
 }
 
 /// The op: `q` [seqs, heads, head_dim] over the pool's `k`, `v`
@@ -87,6 +103,87 @@ impl PagedDecode<'_> {
             candle_core::bail!("paged_decode: block {} outside the pool of {blocks}", self.tables.max_block);
         }
         Ok(Dims { seqs, heads, kv_heads, block_size, head_dim })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl PagedDecode<'_> {
+    /// The tiled kernel (`paged_decode_tiled_*`): 16-bit, head dim 64 or 128, operands
+    /// at multiples of 8 elements (16-byte rows).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_tiled(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+        d: &Dims,
+        meta: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, u32>,
+        sms: usize,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        const WARPS: usize = 4;
+        let dev = q.device().clone();
+        // Rows one pass of a CTA's warps covers: 8 loads a lane, 16 bytes each.
+        let pass = WARPS * 8 * (32 / (d.head_dim / 8));
+        let ctas = d.heads * d.seqs;
+        let max_len = self.tables.max_len.max(1);
+        // Split the positions until about 8 CTAs an SM are busy: a CTA issues its loads
+        // at once, so more of them in flight is what hides HBM's latency.
+        let splits = if ctas >= 2 * sms { 1 } else { (8 * sms).div_ceil(ctas).min(max_len.div_ceil(pass)).max(1) };
+        let split_len = max_len.div_ceil(splits).next_multiple_of(pass);
+        let splits = max_len.div_ceil(split_len);
+        let n_out = d.seqs * d.heads * d.head_dim;
+        let (part, part_ml) = if splits > 1 { (n_out * splits, 2 * ctas * splits) } else { (1, 1) };
+        // SAFETY: each split's CTA writes its partials before it counts itself done, and
+        // the last to count reads them; with one split they are unused.
+        let (mut part_acc, mut part_ml) = unsafe { (dev.alloc::<f32>(part)?, dev.alloc::<f32>(part_ml)?) };
+        let counters = match self.tables.counters.get() {
+            Some(c) => c.clone(),
+            None => {
+                let c = Tensor::zeros(ctas, DType::U32, &candle_core::Device::Cuda(dev.clone()))?;
+                self.tables.counters.get_or_init(|| c).clone()
+            }
+        };
+        if counters.elem_count() < ctas {
+            candle_core::bail!("paged_decode: {} counters for {ctas} heads", counters.elem_count());
+        }
+        let (counter_storage, counter_layout) = counters.storage_and_layout();
+        let candle_core::Storage::Cuda(counter_storage) = &*counter_storage else {
+            candle_core::bail!("paged_decode: the counters are not on the GPU")
+        };
+        let counters = counter_storage.as_cuda_slice::<u32>()?.slice(counter_layout.start_offset()..);
+        let cfg = LaunchConfig {
+            grid_dim: (d.heads as u32, d.seqs as u32, splits as u32),
+            block_dim: (WARPS as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (heads, kvh, bs) = (d.heads as i32, d.kv_heads as i32, d.block_size as i32);
+        let (width, split_len) = (self.tables.width as i32, split_len as i32);
+        // The kernel's softmax is in base 2.
+        let scale = self.scale * std::f32::consts::LOG2_E;
+        let hd = d.head_dim;
+        let out = by_float!(q.dtype(), "paged_decode", |T, SUFFIX| {
+            let q = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+            let k = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
+            let v = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+            // SAFETY: every element is written, by the only split or by the last.
+            let mut out = unsafe { dev.alloc::<T>(n_out)? };
+            let func = dev.get_or_load_custom_func(
+                &format!("paged_decode_tiled_{SUFFIX}_{hd}"),
+                "mmserve_paged_attention",
+                PTX,
+            )?;
+            let mut b = func.builder();
+            b.arg(&q).arg(&k).arg(&v).arg(meta).arg(&mut out).arg(&mut part_acc).arg(&mut part_ml);
+            b.arg(&counters).arg(&heads).arg(&kvh).arg(&bs).arg(&width).arg(&split_len).arg(&scale);
+            // SAFETY: as the other kernel's launch, and the counters hold one u32 per
+            // (sequence, head) (checked above), zero between launches on this stream.
+            unsafe { b.launch(cfg) }.w()?;
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+        });
+        Ok((out, lq.shape().clone()))
     }
 }
 
@@ -166,7 +263,6 @@ impl CustomOp3 for PagedDecode<'_> {
         v: &candle_core::CudaStorage,
         lv: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
         const WARPS: u32 = 4;
 
         let d = self.dims(lq, lk, lv)?;
@@ -187,6 +283,14 @@ impl CustomOp3 for PagedDecode<'_> {
         });
         let ctas = d.heads * d.seqs;
         let max_len = self.tables.max_len.max(1);
+        let is16 = matches!(q.dtype(), DType::BF16 | DType::F16);
+        let tiled = tiled_enabled()
+            && is16
+            && matches!(d.head_dim, 64 | 128)
+            && [lq, lk, lv].iter().all(|l| l.start_offset().is_multiple_of(8));
+        if tiled {
+            return self.launch_tiled(q, lq, k, lk, v, lv, &d, &meta, sms);
+        }
         let splits = if ctas >= 2 * sms { 1 } else { (4 * sms).div_ceil(ctas).min(max_len.div_ceil(64)).max(1) };
         let split_len = max_len.div_ceil(splits);
         let splits = max_len.div_ceil(split_len);
@@ -271,11 +375,15 @@ pub(crate) fn paged_decode(
 pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
     let mut bad = Vec::new();
     // (seqs, heads, kv_heads, head_dim, block_size, lengths)
-    let cases: [(usize, usize, usize, usize, &[usize]); 4] = [
+    // The 16-bit cases of head dim 64 and 128 take the tiled kernel: sequences of very
+    // different lengths (splits past a short one's end), grouped heads, many splits.
+    let cases: [(usize, usize, usize, usize, &[usize]); 6] = [
         (4, 2, 16, 5, &[1, 5, 6, 23]),
         (3, 3, 80, 16, &[300, 17, 1]),
         (1, 1, 128, 16, &[2049]),
         (8, 4, 7, 3, &[9, 1, 2, 3, 10, 11, 4, 7]),
+        (8, 2, 64, 16, &[700, 3, 129, 64]),
+        (4, 4, 128, 32, &[1, 513, 77]),
     ];
     for (i, &(heads, kv_heads, head_dim, block_size, lens)) in cases.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {

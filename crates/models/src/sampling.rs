@@ -55,6 +55,72 @@ pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>,
     Ok(logits.apply_op1_no_bwd(&SampleRows { params })?.to_vec1::<u32>()?)
 }
 
+/// The argmax of each row of `logits` [rows, vocab] where the logits are: the first index
+/// on ties, as the host's argmax and torch.argmax (NaN loses to every number). Our kernel
+/// on the GPU: candle's took 28 µs for one row of 32,000, a twentieth of a 7B decode step.
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, ModelError> {
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    if logits.dims2()?.0 == 0 {
+        return Ok(Vec::new());
+    }
+    Ok(logits.apply_op1_no_bwd(&ArgmaxRows)?.to_vec1::<u32>()?)
+}
+
+struct ArgmaxRows;
+
+/// The kernel's order: numbers by value, NaN below them all, then the lower index.
+fn argmax_ref(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] || (row[best].is_nan() && !x.is_nan()) {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl CustomOp1 for ArgmaxRows {
+    fn name(&self) -> &'static str {
+        "argmax_rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, n) = l.shape().dims2()?;
+        let CpuStorage::F32(x) = s else { candle_core::bail!("argmax_rows: logits must be f32") };
+        let x = &x[l.start_offset()..];
+        let out = (0..rows).map(|r| argmax_ref(&x[r * n..(r + 1) * n])).collect();
+        Ok((CpuStorage::U32(out), Shape::from(rows)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+
+        let (rows, n) = l.shape().dims2()?;
+        if n == 0 || n > i32::MAX as usize {
+            candle_core::bail!("argmax_rows: rows of {n} logits");
+        }
+        let dev = s.device().clone();
+        let x = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        // SAFETY: the kernel writes one id per row.
+        let mut out = unsafe { dev.alloc::<u32>(rows)? };
+        let func = dev.get_or_load_custom_func("argmax_rows", "mmserve_sampling", PTX)?;
+        let mut b = func.builder();
+        let n_arg = n as i32;
+        b.arg(&x).arg(&n_arg).arg(&mut out);
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: block r reads row r of x (n values) and writes out[r].
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+}
+
 struct SampleRows {
     params: Vec<f64>,
 }
@@ -168,8 +234,9 @@ impl CustomOp1 for SampleRows {
 #[cfg(feature = "cuda")]
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
 
-/// Runs the kernel on `device` against its CPU twin: random rows (odd widths, ties,
-/// masked tokens) under every filter and extreme draws. A line per row that differs.
+/// Runs the kernels on `device` against their CPU twins: random rows (odd widths, ties,
+/// masked tokens) under every filter and extreme draws, and their argmax (with NaN too).
+/// A line per row that differs.
 pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
     let settings = |temperature, top_k, min_p, top_p, u| SampleSettings { temperature, top_k, min_p, top_p, u };
     let cases = [
@@ -193,7 +260,16 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 2 => x.iter_mut().enumerate().filter(|(i, _)| i % 3 != 0).for_each(|(_, v)| *v = f32::NEG_INFINITY),
                 _ => {}
             }
-            let cpu = Tensor::from_vec(x, (rows.len(), n), &Device::Cpu)?;
+            let cpu = Tensor::from_vec(x.clone(), (rows.len(), n), &Device::Cpu)?;
+            let mut with_nan = x;
+            with_nan.iter_mut().step_by(97).for_each(|v| *v = f32::NAN);
+            for (t, what) in [(cpu.clone(), what), (Tensor::from_vec(with_nan, (rows.len(), n), &Device::Cpu)?, &"nan")]
+            {
+                let (got, want) = (argmax_rows(&t.to_device(device)?)?, argmax_rows(&t)?);
+                if got != want {
+                    bad.push(format!("argmax_rows {what} n={n}: {got:?} against {want:?}"));
+                }
+            }
             let want = sample_rows(&cpu, &rows)?;
             let got = sample_rows(&cpu.to_device(device)?, &rows)?;
             for (r, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -232,6 +308,15 @@ mod tests {
         assert_eq!(one(&[f32::NEG_INFINITY; 3], s), 0, "nothing finite: the first");
         let t = Tensor::from_slice(&logits, (1, logits.len()), &Device::Cpu).unwrap();
         assert!(sample_rows(&t, &[SampleSettings { temperature: 0.0, ..s }]).is_err(), "greedy is the argmax's job");
+    }
+
+    #[test]
+    fn argmax_takes_the_first_of_ties_and_skips_nan() {
+        let t =
+            Tensor::from_slice(&[1.0f32, 3.0, 3.0, f32::NAN, 0.0, f32::NAN, 2.0, 2.0], (2, 4), &Device::Cpu).unwrap();
+        assert_eq!(argmax_rows(&t).unwrap(), [1, 2]);
+        let all_nan = Tensor::from_slice(&[f32::NAN; 3], (1, 3), &Device::Cpu).unwrap();
+        assert_eq!(argmax_rows(&all_nan).unwrap(), [0]);
     }
 
     #[test]

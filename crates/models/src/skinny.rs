@@ -28,12 +28,29 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_co
     linear_upto(x, w, bias, max_rows())
 }
 
-/// [`linear`] for up to `rows` rows of x (the self-test runs every compiled count).
-fn linear_upto(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_core::Result<Option<Tensor>> {
+/// `silu(g) · u` of `x·Wᵀ (+ bias)` = `[g | u]` for W the gate and up projections
+/// stacked ([2I, K]): [M, I], in one launch, where the kernel applies, else `None`.
+pub(crate) fn linear_silu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
+    let pairs = silu_pairs();
+    if pairs == 0 || !w.dim(0)?.is_multiple_of(2) || !fits(x, w, bias, max_rows())? {
+        return Ok(None);
+    }
+    Ok(Some(apply(x, w, bias, pairs)?))
+}
+
+/// Gate/up row pairs a warp of the SiLU kernel takes: `MMSERVE_SKINNY_SILU` = 1 or 2
+/// (default 1); 0 leaves the product to a GEMV then `silu_mul`, for benchmarking.
+fn silu_pairs() -> usize {
+    static PAIRS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAIRS.get_or_init(|| std::env::var("MMSERVE_SKINNY_SILU").ok().and_then(|v| v.parse().ok()).unwrap_or(1).min(2))
+}
+
+/// Whether the kernel takes `x·Wᵀ (+ bias)` for up to `rows` rows of x.
+fn fits(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_core::Result<bool> {
     let (m, k) = x.dims2()?;
     let aligned =
         |t: &Tensor| t.is_contiguous() && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
-    let fits = x.device().is_cuda()
+    Ok(x.device().is_cuda()
         && (1..=rows.min(8)).contains(&m)
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
@@ -41,20 +58,42 @@ fn linear_upto(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> ca
         && k.is_multiple_of(8)
         && w.dims2()?.1 == k
         && aligned(x)
-        && aligned(w);
-    if !fits {
-        return Ok(None);
-    }
-    Ok(Some(apply(x, w, bias)?))
+        && aligned(w))
 }
 
-fn apply(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
+/// [`linear`] for up to `rows` rows of x (the self-test runs every compiled count).
+fn linear_upto(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_core::Result<Option<Tensor>> {
+    if !fits(x, w, bias, rows)? {
+        return Ok(None);
+    }
+    Ok(Some(apply(x, w, bias, 0)?))
+}
+
+/// `silu_pairs` > 0: the SiLU product of W's halves, that many pairs a warp.
+fn apply(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, silu_pairs: usize) -> candle_core::Result<Tensor> {
     // Without a bias the third operand is unused (the kernel gets a null pointer).
-    x.apply_op3_no_bwd(w, bias.unwrap_or(w), &Skinny { bias: bias.is_some() })
+    x.apply_op3_no_bwd(w, bias.unwrap_or(w), &Skinny { bias: bias.is_some(), silu_pairs })
 }
 
 struct Skinny {
     bias: bool,
+    /// Above 0, W stacks a gate and an up projection: the output is silu_mul of the two
+    /// halves, each warp taking this many gate/up row pairs.
+    silu_pairs: usize,
+}
+
+/// silu_mul's rounding (`decoder_fused.rs`) of the halves of each row of `y` [m, 2i].
+fn silu_rows<T: FromF32>(y: &[T], m: usize, i: usize) -> Vec<T> {
+    let r = |x: f32| T::from_f32(x).into();
+    let mut out = Vec::with_capacity(m * i);
+    for row in y.chunks(2 * i).take(m) {
+        let (g, u) = row.split_at(i);
+        out.extend(g.iter().zip(u).map(|(&g, &u)| {
+            let g: f32 = g.into();
+            T::from_f32(r(g / (1.0 + (-g).exp())) * u.into())
+        }));
+    }
+    out
 }
 
 fn reference<T: FromF32>(x: &[T], w: &[T], b: Option<&[T]>, m: usize, n: usize, k: usize) -> Vec<T> {
@@ -89,9 +128,12 @@ impl CustomOp3 for Skinny {
         let (m, k) = lx.shape().dims2()?;
         let n = lw.shape().dims2()?.0;
         let (ox, ow, ob, has) = (lx.start_offset(), lw.start_offset(), lb.start_offset(), self.bias);
-        let out = cpu_float!("skinny_linear", (x, w, b) =>
-            reference(&x[ox..], &w[ow..], has.then(|| &b[ob..]), m, n, k));
-        Ok((out, Shape::from((m, n))))
+        let silu = self.silu_pairs > 0;
+        let out = cpu_float!("skinny_linear", (x, w, b) => {
+            let y = reference(&x[ox..], &w[ow..], has.then(|| &b[ob..]), m, n, k);
+            if silu { silu_rows(&y, m, n / 2) } else { y }
+        });
+        Ok((out, Shape::from((m, if silu { n / 2 } else { n }))))
     }
 
     #[cfg(feature = "cuda")]
@@ -111,10 +153,18 @@ impl CustomOp3 for Skinny {
         let (m, k) = lx.shape().dims2()?;
         let n = lw.shape().dims2()?.0;
         let dev = x.device().clone();
-        // 8 warps a CTA, `per_warp` weight rows a warp (see the kernel).
-        let per_warp = if n <= 8192 { 1 } else { 2 };
+        // 8 warps a CTA, `per_warp` output rows a warp (see the kernel).
+        let silu = self.silu_pairs > 0;
+        let per_warp = if silu {
+            self.silu_pairs
+        } else if n <= 8192 {
+            1
+        } else {
+            2
+        };
+        let n_out = if silu { n / 2 } else { n };
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(8 * per_warp) as u32, 1, 1),
+            grid_dim: (n_out.div_ceil(8 * per_warp) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -123,10 +173,10 @@ impl CustomOp3 for Skinny {
             let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
             let w = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
             let b = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
-            // SAFETY: the kernel writes every element of [m, n].
-            let mut y = unsafe { dev.alloc::<T>(m * n)? };
-            let func =
-                dev.get_or_load_custom_func(&format!("skinny_{SUFFIX}_{m}_{per_warp}"), "mmserve_skinny", PTX)?;
+            // SAFETY: the kernel writes every element of [m, n_out].
+            let mut y = unsafe { dev.alloc::<T>(m * n_out)? };
+            let name = format!("skinny_{}{SUFFIX}_{m}_{per_warp}", if silu { "silu_" } else { "" });
+            let func = dev.get_or_load_custom_func(&name, "mmserve_skinny", PTX)?;
             let mut builder = func.builder();
             let null = 0u64;
             builder.arg(&x).arg(&w);
@@ -136,11 +186,11 @@ impl CustomOp3 for Skinny {
             };
             builder.arg(&mut y).arg(&n_arg).arg(&k_arg);
             // SAFETY: reads [m, k] of x, [n, k] of w (both 16-byte aligned, k a multiple
-            // of 8, checked by `linear`) and [n] of the bias; writes [m, n].
+            // of 8, checked by `fits`) and [n] of the bias; writes [m, n_out].
             unsafe { builder.launch(cfg) }.w()?;
             candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone())
         });
-        Ok((out, Shape::from((m, n))))
+        Ok((out, Shape::from((m, n_out))))
     }
 }
 
@@ -148,14 +198,15 @@ impl CustomOp3 for Skinny {
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/skinny.ptx"));
 
 /// The kernel on `device` against the CPU twin (bf16 and f16, 1 to 8 rows, odd N, with
-/// and without a bias): a line per case beyond two units in the last place.
+/// and without a bias, plain and with silu_mul): a line per case beyond two units in the
+/// last place.
 pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
     let mut bad = Vec::new();
     if !device.is_cuda() {
         // The twin is the reference; only the kernel has anything to show.
         return Ok(bad);
     }
-    for (n, k) in [(333, 1032), (8195, 24)] {
+    for (n, k) in [(333, 1032), (8195, 24), (2 * 4099, 40), (2 * 11, 1024)] {
         for dtype in [DType::BF16, DType::F16] {
             check(device, n, k, dtype, &mut bad)?;
         }
@@ -171,10 +222,24 @@ fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String
     let (w, b) = (rand((n, k))?, rand((1, n))?.flatten_all()?);
     for m in [1, 3, 8] {
         let x = rand((m, k))?;
-        for bias in [None, Some(&b)] {
-            let want = apply(&x, &w, bias)?;
+        for (bias, pairs) in [(None, 0), (Some(&b), 0), (None, 1), (Some(&b), 1), (Some(&b), 2)] {
+            if pairs > 0 && !n.is_multiple_of(2) {
+                continue;
+            }
             let (xd, wd, bd) = (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?);
-            let Some(got) = linear_upto(&xd, &wd, bias.map(|_| &bd), 8)? else {
+            let bias_d = bias.map(|_| &bd);
+            let (got, want) = if pairs == 0 {
+                (linear_upto(&xd, &wd, bias_d, 8)?, apply(&x, &w, bias, 0)?)
+            } else if fits(&xd, &wd, bias_d, 8)? {
+                // The product against silu_mul's twin over the same kernel's plain output:
+                // the epilogue must round as that path does (the sums are checked above).
+                let plain = apply(&xd, &wd, bias_d, 0)?.to_device(&Device::Cpu)?;
+                (Some(apply(&xd, &wd, bias_d, pairs)?), crate::decoder_fused::silu_mul(&plain)?)
+            } else {
+                (None, x.clone())
+            };
+            let silu = pairs;
+            let Some(got) = got else {
                 bad.push(format!("skinny_linear {dtype:?} m={m}: not taken"));
                 continue;
             };
@@ -187,7 +252,9 @@ fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String
                 .fold(0f32, |acc, d| if d.is_nan() { f32::INFINITY } else { acc.max(d) });
             if worst > 2.0 * ulp {
                 let has = bias.is_some();
-                bad.push(format!("skinny_linear {dtype:?} m={m} n={n} bias={has}: max relative |Δ| {worst:.3e}"));
+                bad.push(format!(
+                    "skinny_linear {dtype:?} m={m} n={n} bias={has} silu_pairs={silu}: max relative |Δ| {worst:.3e}"
+                ));
             }
         }
     }
@@ -205,7 +272,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (5, 16), &dev).unwrap();
         let b = Tensor::randn(0f32, 1.0, 5, &dev).unwrap();
         let want = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
-        let got = apply(&x, &w, Some(&b)).unwrap();
+        let got = apply(&x, &w, Some(&b), 0).unwrap();
         let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff < 1e-5, "{diff}");
         // The CPU never takes the kernel's path.

@@ -22,9 +22,9 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use candle_core::{D, Tensor};
+use candle_core::Tensor;
 use mmserve_models::text_source;
-use mmserve_models::{Llama, ModelError, PagedKv, PagedSeq, SampleSettings, sample_rows};
+use mmserve_models::{Llama, ModelError, PagedKv, PagedSeq, SampleSettings, argmax_rows, sample_rows};
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
@@ -622,12 +622,10 @@ fn next_tokens(logits: &Tensor, picks: &[Pick]) -> Result<Vec<Next>, ModelError>
             logits.index_select(&Tensor::new(rows, logits.device())?, 0)
         }
     };
-    let argmax_rows = rows_of(|p| matches!(p, Pick::Argmax));
+    let greedy_rows = rows_of(|p| matches!(p, Pick::Argmax));
     let draw_rows = rows_of(|p| matches!(p, Pick::Draw(_)));
     let host_rows = rows_of(|p| matches!(p, Pick::Host));
-    let mut argmax =
-        if argmax_rows.is_empty() { Vec::new() } else { select(&argmax_rows)?.argmax(D::Minus1)?.to_vec1::<u32>()? }
-            .into_iter();
+    let mut argmax = if greedy_rows.is_empty() { Vec::new() } else { argmax_rows(&select(&greedy_rows)?)? }.into_iter();
     let mut drawn = if draw_rows.is_empty() {
         Vec::new()
     } else {
