@@ -13,6 +13,7 @@
 //   (rope_split_kv). One CTA per token and head.
 
 #include "float.cuh"
+#include "pdl.cuh"
 
 // Each thread keeps its ADD_NORM_PER elements in registers: every load of the row is
 // issued before any is waited on (one memory latency per row, not one per element; a
@@ -49,13 +50,16 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
   float v[ADD_NORM_PER], g[ADD_NORM_PER];
   float ss = 0.f;
   const int i0 = threadIdx.x * ADD_NORM_PER;
-  // The weight is loaded with the row, not after the reduction: one latency, not two.
+  // The weight is loaded with the row, not after the reduction: one latency, not two;
+  // and before the PDL wait (pdl.cuh), as it is no output of the previous kernel.
+  pdl_launch_dependents();
   if (VEC) {
     NormChunk<T> xc, yc, wc;
+    if (i0 < h) wc.load(w + i0);
+    pdl_wait();
     if (i0 < h) {
       xc.load(xr + i0);
       yc.load(yr + i0);
-      wc.load(w + i0);
     }
 #pragma unroll
     for (int k = 0; k < ADD_NORM_PER; ++k) {
@@ -66,6 +70,7 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
     }
     if (i0 < h) xc.store(sum + i0);
   } else {
+    pdl_wait();
 #pragma unroll
     for (int k = 0; k < ADD_NORM_PER; ++k) {
       const int i = threadIdx.x + k * blockDim.x;
@@ -148,7 +153,9 @@ __device__ void rope_split(const T* __restrict__ qkv, const T* __restrict__ cos,
                            int block_size) {
   constexpr int E = VEC ? ADD_NORM_PER : 1;
   const int t = blockIdx.x, head = blockIdx.y * blockDim.y + threadIdx.y, i = threadIdx.x * E;
+  pdl_launch_dependents();
   if (head >= heads + 2 * kv_heads) return;
+  pdl_wait();
   const int half = hd / 2;
   const T* src = qkv + (long)t * (heads + 2 * kv_heads) * hd + (long)head * hd;
   T* dst;

@@ -17,6 +17,7 @@
 // for small batches: they give the GPU enough CTAs when seqs × heads alone would not.
 
 #include "float.cuh"
+#include "pdl.cuh"
 
 #define WARPS 4
 
@@ -256,6 +257,8 @@ __device__ void paged_decode_tiled(const T* __restrict__ q, const T* __restrict_
   const int begin = split * split_len;
   const int end = min(len, begin + split_len);
   const size_t head_row = (size_t)s * heads + h;
+  pdl_launch_dependents();
+  pdl_wait();
 
   float qf[8];
   unpack8(*reinterpret_cast<const uint4*>(q + head_row * HD + sub * 8), qf, (const T*)nullptr);

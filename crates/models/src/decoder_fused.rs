@@ -14,6 +14,8 @@ use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 #[cfg(feature = "cuda")]
+use crate::pdl;
+#[cfg(feature = "cuda")]
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::WrapErr;
@@ -89,6 +91,7 @@ impl CustomOp3 for AddRmsNorm {
         }
         let threads = h.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32;
         let dev = x.device().clone();
+        let stream = dev.cuda_stream();
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let (rows_arg, h_arg) = (rows as i32, h as i32);
         let out = by_float!(x.dtype(), "add_rmsnorm", |T, SUFFIX| {
@@ -101,10 +104,11 @@ impl CustomOp3 for AddRmsNorm {
             // SAFETY: the kernel writes both halves of every row.
             let mut out = unsafe { dev.alloc::<T>(2 * rows * h)? };
             let func = dev.get_or_load_custom_func(&name, "mmserve_decoder", PTX)?;
-            let mut b = func.builder();
-            b.arg(&x).arg(&y).arg(&w).arg(&mut out).arg(&rows_arg).arg(&h_arg).arg(&self.eps);
-            // SAFETY: reads [rows, h] of x and y and [h] of w, writes [2, rows, h].
-            unsafe { b.launch(cfg) }.w()?;
+            let mut b = pdl::Launch::new(&stream, &func);
+            b.arg(&x).arg(&y).arg(&w).arg(&mut out).arg(rows_arg).arg(h_arg).arg(self.eps);
+            // SAFETY: reads [rows, h] of x and y and [h] of w, writes [2, rows, h]; only w
+            // is read before the PDL wait.
+            unsafe { b.launch(cfg) }?;
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
         Ok((out, Shape::from((2, rows, h))))
@@ -304,6 +308,7 @@ impl CustomOp3 for RopeSplit<'_> {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let t = self.dims(lx, lc, ls)?;
         let dev = x.device().clone();
+        let stream = dev.cuda_stream();
         let n = if self.pools.is_some() { t * self.heads * self.head_dim } else { lx.shape().elem_count() };
         let block_size = match self.pools {
             Some(p) => self.check_pools(p, t, x.dtype())? as i32,
@@ -335,8 +340,8 @@ impl CustomOp3 for RopeSplit<'_> {
             let kv = if self.pools.is_some() { "_kv" } else { "" };
             let name = format!("rope_split{kv}{}_{SUFFIX}", if vec { "_vec" } else { "" });
             let func = dev.get_or_load_custom_func(&name, "mmserve_decoder", PTX)?;
-            let mut b = func.builder();
-            b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(&t_arg).arg(&h).arg(&k).arg(&d);
+            let mut b = pdl::Launch::new(&stream, &func);
+            b.arg(&x).arg(&c).arg(&s).arg(&mut out).arg(t_arg).arg(h).arg(k).arg(d);
             let views = match &guards {
                 Some(((kg, kl), (vg, vl), (sg, sl))) => {
                     let (Storage::Cuda(kc), Storage::Cuda(vc), Storage::Cuda(sc)) = (&**kg, &**vg, &**sg) else {
@@ -351,14 +356,15 @@ impl CustomOp3 for RopeSplit<'_> {
                 None => None,
             };
             if let Some((kp, vp, slots)) = &views {
-                b.arg(kp).arg(vp).arg(slots).arg(&block_size);
+                b.arg(kp).arg(vp).arg(slots).arg(block_size);
             }
             // SAFETY: reads [T, (H + 2K)·D] and [T, D/2] twice, writes as many elements,
             // or q's [T, H·D] and each token's K·D keys and values at its slot of the pools,
             // inside them (`PoolSlots`' contract; shapes and dtypes checked above). The
             // pools are written through views taken under read locks: device memory that
             // only this stream touches, in order, while the caller holds the pools.
-            unsafe { b.launch(cfg) }.w()?;
+            // Nothing is touched before the PDL wait.
+            unsafe { b.launch(cfg) }?;
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
         Ok((out, Shape::from(n)))

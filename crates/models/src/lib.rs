@@ -28,6 +28,8 @@ mod load;
 mod paged;
 mod paged_attention;
 mod patch_embed;
+#[cfg(feature = "cuda")]
+mod pdl;
 mod qwen2_audio;
 mod sampling;
 mod skinny;

@@ -125,6 +125,7 @@ impl PagedDecode<'_> {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         const WARPS: usize = 4;
         let dev = q.device().clone();
+        let stream = dev.cuda_stream();
         // Rows one pass of a CTA's warps covers: 8 loads a lane, 16 bytes each.
         let pass = WARPS * 8 * (32 / (d.head_dim / 8));
         let ctas = d.heads * d.seqs;
@@ -175,12 +176,13 @@ impl PagedDecode<'_> {
                 "mmserve_paged_attention",
                 PTX,
             )?;
-            let mut b = func.builder();
+            let mut b = crate::pdl::Launch::new(&stream, &func);
             b.arg(&q).arg(&k).arg(&v).arg(meta).arg(&mut out).arg(&mut part_acc).arg(&mut part_ml);
-            b.arg(&counters).arg(&heads).arg(&kvh).arg(&bs).arg(&width).arg(&split_len).arg(&scale);
+            b.arg(&counters).arg(heads).arg(kvh).arg(bs).arg(width).arg(split_len).arg(scale);
             // SAFETY: as the other kernel's launch, and the counters hold one u32 per
             // (sequence, head) (checked above), zero between launches on this stream.
-            unsafe { b.launch(cfg) }.w()?;
+            // Nothing is touched before the PDL wait.
+            unsafe { b.launch(cfg) }?;
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
         Ok((out, lq.shape().clone()))

@@ -148,12 +148,13 @@ impl CustomOp3 for Skinny {
         lb: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use crate::pdl;
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 
         let (m, k) = lx.shape().dims2()?;
         let n = lw.shape().dims2()?.0;
         let dev = x.device().clone();
+        let stream = dev.cuda_stream();
         // 8 warps a CTA, `per_warp` output rows a warp (see the kernel).
         let silu = self.silu_pairs > 0;
         let per_warp = if silu {
@@ -178,17 +179,17 @@ impl CustomOp3 for Skinny {
             let mut y = unsafe { dev.alloc::<T>(m * n_out)? };
             let name = format!("skinny_{}{SUFFIX}_{m}_{per_warp}", if silu { "silu_" } else { "" });
             let func = dev.get_or_load_custom_func(&name, "mmserve_skinny", PTX)?;
-            let mut builder = func.builder();
-            let null = 0u64;
-            builder.arg(&x).arg(&w);
+            let mut l = pdl::Launch::new(&stream, &func);
+            l.arg(&x).arg(&w);
             match self.bias {
-                true => builder.arg(&b),
-                false => builder.arg(&null),
+                true => l.arg(&b),
+                false => l.arg(0u64),
             };
-            builder.arg(&mut y).arg(&n_arg).arg(&k_arg);
+            l.arg(&mut y).arg(n_arg).arg(k_arg);
             // SAFETY: reads [m, k] of x, [n, k] of w (both 16-byte aligned, k a multiple
-            // of 8, checked by `fits`) and [n] of the bias; writes [m, n_out].
-            unsafe { builder.launch(cfg) }.w()?;
+            // of 8, checked by `fits`) and [n] of the bias; writes [m, n_out]; touches
+            // nothing before its PDL wait.
+            unsafe { l.launch(cfg) }?;
             candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone())
         });
         Ok((out, Shape::from((m, n_out))))

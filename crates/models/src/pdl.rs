@@ -1,0 +1,164 @@
+//! Programmatic dependent launch (PDL, compute capability 9.0+): a kernel launched with
+//! `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` may start while its stream
+//! predecessor still runs, once every CTA of that predecessor has executed
+//! `griddepcontrol.launch_dependents` (or exited). A decode step at batch 1 is ~290 short
+//! kernels; without PDL each one's launch and ramp-up waits for the previous one's tail,
+//! a few µs of idle GPU each time.
+//!
+//! The contract, which every kernel launched through [`Launch`] keeps (`kernels/pdl.cuh`):
+//! before its `pdl_wait()` it reads only memory nothing in the step writes (weights) and
+//! writes nothing; after it, the predecessor grid has completed and its writes are visible.
+//! Completion is transitive (a grid completes only after its own wait returned), so every
+//! earlier kernel of the stream has completed too. Kernels launched the ordinary way
+//! (candle's) wait for full completion as always.
+//!
+//! `MMSERVE_PDL=0` launches the same kernels without the attribute, for benchmarking; the
+//! device instructions are then no-ops.
+
+use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop,
+    sys,
+};
+
+/// The most parameters a kernel launched through [`Launch`] takes.
+const MAX_ARGS: usize = 20;
+
+/// Whether launches carry the PDL attribute: on unless `MMSERVE_PDL=0`, and only on
+/// devices of compute capability 9.0 or newer.
+fn enabled(stream: &CudaStream) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let wanted = std::env::var("MMSERVE_PDL").map_or(true, |v| v != "0");
+        let major = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR;
+        wanted && stream.context().attribute(major).is_ok_and(|m| m >= 9)
+    })
+}
+
+/// One kernel launch: its parameters, each held in an 8-byte slot (the driver copies the
+/// parameter's own size from the slot's start; little-endian, so a 4-byte value is its
+/// first 4 bytes), and the stream-ordering guards of the device buffers it touches.
+pub(crate) struct Launch<'a> {
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    slots: [u64; MAX_ARGS],
+    len: usize,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+/// A kernel parameter: a device buffer (its address) or a scalar.
+pub(crate) trait Arg<'a> {
+    /// The parameter's bits; device buffers leave their ordering guard in `guards`.
+    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64;
+}
+
+impl<'a, T> Arg<'a> for &'a CudaSlice<T> {
+    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        let (ptr, guard) = self.device_ptr(stream);
+        guards.push(guard);
+        ptr
+    }
+}
+
+impl<'a, T> Arg<'a> for &'a mut CudaSlice<T> {
+    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        let (ptr, guard) = self.device_ptr_mut(stream);
+        guards.push(guard);
+        ptr
+    }
+}
+
+impl<'a, T> Arg<'a> for &'a CudaView<'_, T> {
+    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        let (ptr, guard) = self.device_ptr(stream);
+        guards.push(guard);
+        ptr
+    }
+}
+
+impl<'a, T> Arg<'a> for &'a mut CudaViewMut<'_, T> {
+    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        let (ptr, guard) = self.device_ptr_mut(stream);
+        guards.push(guard);
+        ptr
+    }
+}
+
+impl<'a> Arg<'a> for i32 {
+    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        self as u32 as u64
+    }
+}
+
+impl<'a> Arg<'a> for u32 {
+    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        self as u64
+    }
+}
+
+impl<'a> Arg<'a> for u64 {
+    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        self
+    }
+}
+
+impl<'a> Arg<'a> for f32 {
+    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+impl<'a> Launch<'a> {
+    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
+        Self { stream, func, slots: [0; MAX_ARGS], len: 0, guards: Vec::new() }
+    }
+
+    /// Appends the next parameter (in the kernel signature's order).
+    pub(crate) fn arg(&mut self, arg: impl Arg<'a>) -> &mut Self {
+        assert!(self.len < MAX_ARGS, "a kernel launched through pdl::Launch takes at most {MAX_ARGS} parameters");
+        self.slots[self.len] = arg.bits(self.stream, &mut self.guards);
+        self.len += 1;
+        self
+    }
+
+    /// Launches the kernel on the stream, as a programmatic dependent of its predecessor
+    /// where [`enabled`].
+    ///
+    /// # Safety
+    /// As cudarc's `LaunchArgs::launch`: the parameters match the kernel's signature in
+    /// number, order and size, and the kernel stays inside the buffers it is given. On top
+    /// of that the kernel keeps this module's contract (nothing but weights touched before
+    /// its `pdl_wait()`).
+    pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> candle_core::Result<()> {
+        let mut params: [*mut std::ffi::c_void; MAX_ARGS] = [std::ptr::null_mut(); MAX_ARGS];
+        for (p, slot) in params.iter_mut().zip(self.slots.iter_mut()) {
+            *p = (slot as *mut u64).cast();
+        }
+        // SAFETY: an all-zero attribute is a valid `CUlaunchAttribute` (plain C data); the
+        // union member written is the one the id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: enabled(self.stream) as u32,
+        };
+        self.stream.context().bind_to_thread().w()?;
+        // SAFETY: `config` and `attr` outlive the call; `params` holds `len` pointers to
+        // live slots, one per kernel parameter (the caller's contract), and the driver
+        // copies them before returning. The guards record the launch on drop, after it.
+        unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .w()?;
+        drop(std::mem::take(&mut self.guards));
+        Ok(())
+    }
+}
