@@ -17,8 +17,7 @@
 
 use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop,
-    sys,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop, sys,
 };
 
 /// The most parameters a kernel launched through [`Launch`] takes.

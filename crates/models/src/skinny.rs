@@ -147,8 +147,8 @@ impl CustomOp3 for Skinny {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         use crate::pdl;
+        use candle_core::backend::BackendStorage;
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 
         let (m, k) = lx.shape().dims2()?;
