@@ -2,7 +2,7 @@
 # Finer GPU profiles than profile.sh, on the H200 after the same build (.gpu carried):
 #   launches: per-launch durations of one vision batch of 32, grouped by kernel and grid
 #             (cuBLAS runs one kernel name for several shapes); decode1: the same for
-#             decode steps at batch 1; prefill: the same for a 2048-token prefill;
+#             decode steps at batch 1 (decode8: 8); prefill: the same for a 2048-token prefill;
 #   flash:    Nsight Compute's throughput, occupancy and stall sections for one launch of
 #             each flash attention kernel (prefill over the pool, the encoder's).
 # Usage: DETAIL="launches flash" bash benches/gpu/profile_detail.sh
@@ -38,6 +38,7 @@ for d in ${DETAIL:-launches flash}; do
   case $d in
     launches) launches vision32 --batches 0 --prefill 0 --images 32 ;;
     decode1) launches decode1 --batches 1 --prompt 512 --output 4 --prefill 0 --images 0 ;;
+    decode8) launches decode8 --batches 8 --prompt 512 --output 4 --prefill 0 --images 0 ;;
     prefill) launches prefill2048 --batches 0 --prefill 2048 --images 0 ;;
     flash)
       for spec in "flash_paged --batches 0 --prefill 2048 --images 0" "flash_dense --batches 0 --prefill 0 --images 32"; do

@@ -13,13 +13,15 @@ use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 
-/// Most rows of x the kernel takes: 1 unless `MMSERVE_SKINNY_MAX_ROWS` (0 to 8) says
+/// Most rows of x the kernel takes: 2 unless `MMSERVE_SKINNY_MAX_ROWS` (0 to 8) says
 /// otherwise, for benchmarking it against cuBLAS. Measured on the H200 (llava-1.5-7b
-/// shapes, bf16): 12% faster decode steps at one row, 2.5% slower at two, 34% slower at
-/// eight, where cuBLAS's tiles reuse each weight load across rows better.
+/// shapes, bf16, with PDL and the fused SiLU): decode steps 5% faster at two rows than
+/// cuBLAS's (4.52 against 4.76 ms), 1% slower at four, 54% slower at eight, where cuBLAS's
+/// tiles reuse each weight load across rows better. (Twice the weight rows a warp from 3
+/// rows of x did not change that.)
 fn max_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| std::env::var("MMSERVE_SKINNY_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).min(8))
+    *ROWS.get_or_init(|| std::env::var("MMSERVE_SKINNY_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(2).min(8))
 }
 
 /// `x [M, K] · w [N, K]ᵀ (+ bias [N])` where the kernel applies (see the module doc),
