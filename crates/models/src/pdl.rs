@@ -112,10 +112,13 @@ impl<'a> Launch<'a> {
         Self { stream, func, slots: [0; MAX_ARGS], len: 0, guards: Vec::new() }
     }
 
-    /// Appends the next parameter (in the kernel signature's order).
+    /// Appends the next parameter (in the kernel signature's order). Past [`MAX_ARGS`] the
+    /// launch fails.
     pub(crate) fn arg(&mut self, arg: impl Arg<'a>) -> &mut Self {
-        assert!(self.len < MAX_ARGS, "a kernel launched through pdl::Launch takes at most {MAX_ARGS} parameters");
-        self.slots[self.len] = arg.bits(self.stream, &mut self.guards);
+        let bits = arg.bits(self.stream, &mut self.guards);
+        if let Some(slot) = self.slots.get_mut(self.len) {
+            *slot = bits;
+        }
         self.len += 1;
         self
     }
@@ -129,6 +132,9 @@ impl<'a> Launch<'a> {
     /// of that the kernel keeps this module's contract (nothing but weights touched before
     /// its `pdl_wait()`).
     pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> candle_core::Result<()> {
+        if self.len > MAX_ARGS {
+            candle_core::bail!("pdl::Launch: {} parameters, at most {MAX_ARGS}", self.len);
+        }
         let mut params: [*mut std::ffi::c_void; MAX_ARGS] = [std::ptr::null_mut(); MAX_ARGS];
         for (p, slot) in params.iter_mut().zip(self.slots.iter_mut()) {
             *p = (slot as *mut u64).cast();
