@@ -247,6 +247,9 @@ __device__ void paged_decode_tiled(const T* __restrict__ q, const T* __restrict_
   constexpr int LOADS = 8;           // K (and V) loads in flight per lane
   constexpr int TILE = RPL * LOADS;  // rows per warp per step
   constexpr int STATES = TWARPS * RPL;
+  // Before any read: the tables, too, are the step's, not weights (pdl.cuh).
+  pdl_launch_dependents();
+  pdl_wait();
   const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int group = lane / LPR, sub = lane % LPR;
@@ -257,8 +260,6 @@ __device__ void paged_decode_tiled(const T* __restrict__ q, const T* __restrict_
   const int begin = split * split_len;
   const int end = min(len, begin + split_len);
   const size_t head_row = (size_t)s * heads + h;
-  pdl_launch_dependents();
-  pdl_wait();
 
   float qf[8];
   unpack8(*reinterpret_cast<const uint4*>(q + head_row * HD + sub * 8), qf, (const T*)nullptr);

@@ -42,7 +42,8 @@ pub(crate) fn linear_silu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> cand
 
 /// Gate/up row pairs a warp of the SiLU kernel takes: `MMSERVE_SKINNY_SILU` = 1 or 2
 /// (default 2: on the H200 at 7B shapes a decode step of batch 1 took 4.544 ms with 2,
-/// 4.705 ms with 1 and 4.586 ms unfused); 0 leaves the product to a GEMV then `silu_mul`, for benchmarking.
+/// 4.705 ms with 1 and 4.586 ms unfused); 0 leaves the product to a GEMV then
+/// `silu_mul`, for benchmarking.
 fn silu_pairs() -> usize {
     static PAIRS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *PAIRS.get_or_init(|| std::env::var("MMSERVE_SKINNY_SILU").ok().and_then(|v| v.parse().ok()).unwrap_or(2).min(2))
