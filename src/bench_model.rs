@@ -73,9 +73,29 @@ fn rel_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
     Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
 }
 
+/// One untimed run of `f`, then `repeats` timed ones (with none, the one run is timed): the
+/// medians of their seconds and of the host's time to issue the work (near the total, the
+/// host or a hidden synchronisation is the bound, not the GPU).
+fn timed(device: &Device, repeats: usize, f: &mut dyn FnMut() -> anyhow::Result<()>) -> anyhow::Result<(f64, f64)> {
+    let (mut times, mut issues) = (Vec::new(), Vec::new());
+    for i in 0..=repeats {
+        sync(device)?;
+        let start = Instant::now();
+        f()?;
+        let issued = start.elapsed().as_secs_f64();
+        sync(device)?;
+        if i > 0 || repeats == 0 {
+            times.push(start.elapsed().as_secs_f64());
+            issues.push(issued);
+        }
+    }
+    Ok((median(times), median(issues)))
+}
+
+/// The median; NaN for no samples.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Parameters of the LM: (the decoder layers and final norm, the LM head). The
@@ -178,21 +198,10 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         let ids: Vec<u32> = (0..b.prefill).map(|i| (i * 104729 % (t.vocab_size - 1)) as u32 + 1).collect();
         let embeds = llama.embed_tokens(&ids)?;
         let seqs = [PagedSeq { start: 0, new_tokens: b.prefill, block_table: &table }];
-        let (mut times, mut issues) = (Vec::new(), Vec::new());
-        for i in 0..=b.repeats {
-            sync(&device)?;
-            let start = Instant::now();
+        let (secs, issue) = timed(&device, b.repeats, &mut || {
             llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
-            // The host's time to issue the work: near the total, the host (or a hidden
-            // synchronisation) is the bound, not the GPU.
-            let issued = start.elapsed().as_secs_f64();
-            sync(&device)?;
-            if i > 0 {
-                times.push(start.elapsed().as_secs_f64());
-                issues.push(issued);
-            }
-        }
-        let (secs, issue) = (median(times), median(issues));
+            Ok(())
+        })?;
         // The same prompt without flash attention: the last position's logits must agree.
         // (With dummy weights of ±1e-3 the attention barely moves the residual stream, so
         // this comparison is blunt there; the kernel's self-test is the sharp one.)
@@ -231,19 +240,10 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
             + 2.0 * vision.tokens_per_image() as f64 * (vh * th + th * th);
         for &n in b.images.iter().filter(|&&n| n > 0) {
             let pixels = Tensor::rand(-1f32, 1f32, (n, 3, s, s), &device)?;
-            let (mut times, mut issues) = (Vec::new(), Vec::new());
-            for i in 0..=b.repeats {
-                sync(&device)?;
-                let start = Instant::now();
+            let (secs, issue) = timed(&device, b.repeats, &mut || {
                 vision.encode(&pixels)?;
-                let issued = start.elapsed().as_secs_f64();
-                sync(&device)?;
-                if i > 0 {
-                    times.push(start.elapsed().as_secs_f64());
-                    issues.push(issued);
-                }
-            }
-            let (secs, issue) = (median(times), median(issues));
+                Ok(())
+            })?;
             // (With dummy weights of ±1e-3 the attention barely moves the residual stream, so
             // this comparison is blunt there; the kernel's self-test is the sharp one.)
             let flash_vs_dense = if mmserve_models::flash_attention_applies(&device, dtype, t.head_dim) {

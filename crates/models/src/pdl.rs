@@ -36,88 +36,70 @@ fn enabled(stream: &CudaStream) -> bool {
 
 /// One kernel launch: its parameters, each held in an 8-byte slot (the driver copies the
 /// parameter's own size from the slot's start; little-endian, so a 4-byte value is its
-/// first 4 bytes), and the stream-ordering guards of the device buffers it touches.
+/// first 4 bytes), and the stream-ordering guards of the device buffers it touches (in
+/// place, not on the heap: a decode step makes ~290 of these).
 pub(crate) struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     slots: [u64; MAX_ARGS],
+    guards: [Option<SyncOnDrop<'a>>; MAX_ARGS],
     len: usize,
-    guards: Vec<SyncOnDrop<'a>>,
 }
 
 /// A kernel parameter: a device buffer (its address) or a scalar.
 pub(crate) trait Arg<'a> {
-    /// The parameter's bits; device buffers leave their ordering guard in `guards`.
-    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64;
+    /// The parameter's bits, and for a device buffer its ordering guard.
+    fn bits(self, stream: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>);
 }
 
-impl<'a, T> Arg<'a> for &'a CudaSlice<T> {
-    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        let (ptr, guard) = self.device_ptr(stream);
-        guards.push(guard);
-        ptr
-    }
+/// Device buffers, read (`device_ptr`) or written (`device_ptr_mut`).
+macro_rules! buffer_arg {
+    ($($ty:ty => $get:ident),* $(,)?) => {$(
+        impl<'a, T> Arg<'a> for $ty {
+            fn bits(self, stream: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>) {
+                let (ptr, guard) = self.$get(stream);
+                (ptr, Some(guard))
+            }
+        }
+    )*};
 }
+buffer_arg!(
+    &'a CudaSlice<T> => device_ptr,
+    &'a mut CudaSlice<T> => device_ptr_mut,
+    &'a CudaView<'_, T> => device_ptr,
+    &'a mut CudaViewMut<'_, T> => device_ptr_mut,
+);
 
-impl<'a, T> Arg<'a> for &'a mut CudaSlice<T> {
-    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        let (ptr, guard) = self.device_ptr_mut(stream);
-        guards.push(guard);
-        ptr
-    }
+/// Scalars, widened to a slot.
+macro_rules! scalar_arg {
+    ($($ty:ty => |$v:ident| $bits:expr),* $(,)?) => {$(
+        impl<'a> Arg<'a> for $ty {
+            fn bits(self, _: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>) {
+                let $v = self;
+                ($bits, None)
+            }
+        }
+    )*};
 }
-
-impl<'a, T> Arg<'a> for &'a CudaView<'_, T> {
-    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        let (ptr, guard) = self.device_ptr(stream);
-        guards.push(guard);
-        ptr
-    }
-}
-
-impl<'a, T> Arg<'a> for &'a mut CudaViewMut<'_, T> {
-    fn bits(self, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        let (ptr, guard) = self.device_ptr_mut(stream);
-        guards.push(guard);
-        ptr
-    }
-}
-
-impl<'a> Arg<'a> for i32 {
-    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        self as u32 as u64
-    }
-}
-
-impl<'a> Arg<'a> for u32 {
-    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        self as u64
-    }
-}
-
-impl<'a> Arg<'a> for u64 {
-    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        self
-    }
-}
-
-impl<'a> Arg<'a> for f32 {
-    fn bits(self, _: &'a CudaStream, _: &mut Vec<SyncOnDrop<'a>>) -> u64 {
-        self.to_bits() as u64
-    }
-}
+scalar_arg!(
+    i32 => |v| v as u32 as u64,
+    u32 => |v| v as u64,
+    u64 => |v| v,
+    f32 => |v| v.to_bits() as u64,
+);
 
 impl<'a> Launch<'a> {
     pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
-        Self { stream, func, slots: [0; MAX_ARGS], len: 0, guards: Vec::new() }
+        Self { stream, func, slots: [0; MAX_ARGS], guards: Default::default(), len: 0 }
     }
 
     /// Appends the next parameter (in the kernel signature's order). Past [`MAX_ARGS`] the
     /// launch fails.
     pub(crate) fn arg(&mut self, arg: impl Arg<'a>) -> &mut Self {
-        let bits = arg.bits(self.stream, &mut self.guards);
-        if let Some(slot) = self.slots.get_mut(self.len) {
+        let (bits, guard) = arg.bits(self.stream);
+        if let (Some(slot), Some(g)) = (self.slots.get_mut(self.len), self.guards.get_mut(self.len)) {
             *slot = bits;
+            *g = guard;
         }
         self.len += 1;
         self
@@ -163,7 +145,7 @@ impl<'a> Launch<'a> {
         unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .w()?;
-        drop(std::mem::take(&mut self.guards));
+        drop(self.guards);
         Ok(())
     }
 }
