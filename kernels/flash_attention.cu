@@ -75,6 +75,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+template <bool B> struct Bool {
+  static constexpr bool value = B;
+};
+
 // 2^x by the SFU (approximate, flushing subnormals; 2^-inf = 0).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -182,116 +186,125 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
     }
     __syncthreads();
 
-    // Scores of the warp's rows against the tile's FA_BC keys; each K fragment feeds MT
-    // row tiles.
-    float s[MT][FA_BC / 8][4];
+    // The tile's scores and the product with V; MASKED: some keys are hidden (past n_k or
+    // causal). Two instantiations, since the compiler turns the masking into several
+    // instructions a score even where it is off.
+    auto tile_body = [&](auto masked) {
+      // Scores of the warp's rows against the tile's FA_BC keys; each K fragment feeds MT
+      // row tiles.
+      float s[MT][FA_BC / 8][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < FA_BC / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-    const T* kt = ks + buf * FA_BC * LD;
+        for (int j = 0; j < FA_BC / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+      const T* kt = ks + buf * FA_BC * LD;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t qa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (QS) {
-          // Lanes 0-15 name rows 0-15 at dim 16kk, lanes 16-31 the same rows at 16kk + 8.
-          const int row = warp * 16 * MT + 16 * mt + (lane & 15);
-          ldsm_x4<false>(qa[mt], qs + row * LD + 16 * kk + ((lane >> 4) << 3));
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) qa[mt][e] = qf[QS ? 0 : mt][QS ? 0 : kk][e];
-        }
-      }
-#pragma unroll
-      for (int jj = 0; jj < FA_BC / 16; ++jj) {
-        uint32_t r[4];
-        const int key = 16 * jj + (lane & 7) + ((lane >> 4) << 3);
-        const int dim = 16 * kk + (((lane >> 3) & 1) << 3);
-        ldsm_x4<false>(r, kt + key * LD + dim);
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t qa[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma<T>(s[mt][2 * jj], qa[mt], r[0], r[1]);
-          mma<T>(s[mt][2 * jj + 1], qa[mt], r[2], r[3]);
-        }
-      }
-    }
-
-    // Online softmax in base 2 on the raw scores (scale > 0, so maxima commute with it):
-    // p = 2^(s · scale_log2 − m · scale_log2), one FFMA and one EX2 per score. This lane
-    // holds rows g (e = 0, 1) and g + 8 (e = 2, 3) of each row tile.
-    const int kbase = t * FA_BC;
-    const bool masked = kbase + FA_BC > n_k || (past >= 0 && kbase + FA_BC - 1 > past + q0);
+          if (QS) {
+            // Lanes 0-15 name rows 0-15 at dim 16kk, lanes 16-31 the same rows at 16kk + 8.
+            const int row = warp * 16 * MT + 16 * mt + (lane & 15);
+            ldsm_x4<false>(qa[mt], qs + row * LD + 16 * kk + ((lane >> 4) << 3));
+          } else {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < FA_BC / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (masked) {
-            const int key = kbase + 8 * j + 2 * t4 + (e & 1), row = q0 + 16 * mt + g + ((e >> 1) << 3);
-            if (key >= n_k || (past >= 0 && key > past + row)) s[mt][j][e] = -INFINITY;
+            for (int e = 0; e < 4; ++e) qa[mt][e] = qf[QS ? 0 : mt][QS ? 0 : kk][e];
           }
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][j][e]);
+        }
+#pragma unroll
+        for (int jj = 0; jj < FA_BC / 16; ++jj) {
+          uint32_t r[4];
+          const int key = 16 * jj + (lane & 7) + ((lane >> 4) << 3);
+          const int dim = 16 * kk + (((lane >> 3) & 1) << 3);
+          ldsm_x4<false>(r, kt + key * LD + dim);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<T>(s[mt][2 * jj], qa[mt], r[0], r[1]);
+            mma<T>(s[mt][2 * jj + 1], qa[mt], r[2], r[3]);
+          }
         }
       }
-      float base[2], alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float mnew = fmaxf(m[mt][r], mx[r]);
-        base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
-        alpha[r] = fast_exp2(m[mt][r] * scale_log2 - base[r]);
-        m[mt][r] = mnew;
-        l[mt][r] *= alpha[r];
-      }
-#pragma unroll
-      for (int j = 0; j < FA_BC / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = fast_exp2(fmaf(s[mt][j][e], scale_log2, -base[e >> 1]));
-          s[mt][j][e] = p;
-          l[mt][e >> 1] += p;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < HD / 8; ++j) {
-        o[mt][j][0] *= alpha[0];
-        o[mt][j][1] *= alpha[0];
-        o[mt][j][2] *= alpha[1];
-        o[mt][j][3] *= alpha[1];
-      }
-    }
 
-    // o += p · v: the score accumulators of two adjacent key tiles are an A fragment; each
-    // V fragment feeds MT row tiles.
-    const T* vt = vs + buf * FA_BC * LD;
-#pragma unroll
-    for (int kk = 0; kk < FA_BC / 16; ++kk) {
-      uint32_t a[MT][4];
+      // Online softmax in base 2 on the raw scores (scale > 0, so maxima commute with it):
+      // p = 2^(s · scale_log2 − m · scale_log2), one FFMA and one EX2 per score. This lane
+      // holds rows g (e = 0, 1) and g + 8 (e = 2, 3) of each row tile.
+      const int kbase = t * FA_BC;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int jj = 0; jj < HD / 16; ++jj) {
-        uint32_t r[4];
-        const int key = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int dim = 16 * jj + ((lane >> 4) << 3);
-        ldsm_x4<true>(r, vt + key * LD + dim);
+        for (int j = 0; j < FA_BC / 8; ++j) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma<T>(o[mt][2 * jj], a[mt], r[0], r[1]);
-          mma<T>(o[mt][2 * jj + 1], a[mt], r[2], r[3]);
+          for (int e = 0; e < 4; ++e) {
+            if (decltype(masked)::value) {
+              const int key = kbase + 8 * j + 2 * t4 + (e & 1), row = q0 + 16 * mt + g + ((e >> 1) << 3);
+              if (key >= n_k || (past >= 0 && key > past + row)) s[mt][j][e] = -INFINITY;
+            }
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][j][e]);
+          }
+        }
+        float base[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float mnew = fmaxf(m[mt][r], mx[r]);
+          base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
+          alpha[r] = fast_exp2(m[mt][r] * scale_log2 - base[r]);
+          m[mt][r] = mnew;
+          l[mt][r] *= alpha[r];
+        }
+#pragma unroll
+        for (int j = 0; j < FA_BC / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float p = fast_exp2(fmaf(s[mt][j][e], scale_log2, -base[e >> 1]));
+            s[mt][j][e] = p;
+            l[mt][e >> 1] += p;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+          o[mt][j][0] *= alpha[0];
+          o[mt][j][1] *= alpha[0];
+          o[mt][j][2] *= alpha[1];
+          o[mt][j][3] *= alpha[1];
         }
       }
-    }
+
+      // o += p · v: the score accumulators of two adjacent key tiles are an A fragment; each
+      // V fragment feeds MT row tiles.
+      const T* vt = vs + buf * FA_BC * LD;
+#pragma unroll
+      for (int kk = 0; kk < FA_BC / 16; ++kk) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int jj = 0; jj < HD / 16; ++jj) {
+          uint32_t r[4];
+          const int key = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int dim = 16 * jj + ((lane >> 4) << 3);
+          ldsm_x4<true>(r, vt + key * LD + dim);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<T>(o[mt][2 * jj], a[mt], r[0], r[1]);
+            mma<T>(o[mt][2 * jj + 1], a[mt], r[2], r[3]);
+          }
+        }
+      }
+    };
+    const int kbase = t * FA_BC;
+    if (kbase + FA_BC > n_k || (past >= 0 && kbase + FA_BC - 1 > past + q0))
+      tile_body(Bool<true>());
+    else
+      tile_body(Bool<false>());
     __syncthreads();  // the next iteration's load overwrites this buffer
   }
 

@@ -32,4 +32,14 @@ fn main() {
             .unwrap_or_else(|e| panic!("running nvcc for {}: {e}", src.display()));
         assert!(status.success(), "nvcc failed on {}", src.display());
     }
+    // Hopper's warp-group MMA exists only in the architecture-specific target (sm_90a); the
+    // runtime loads this module on compute capability 9.0 devices alone.
+    let src = kernels.join("flash_wgmma.cu");
+    let status = std::process::Command::new("nvcc")
+        .args(["--ptx", "-O3", "-arch=compute_90a", "-o"])
+        .arg(out.join("flash_wgmma.ptx"))
+        .arg(&src)
+        .status()
+        .unwrap_or_else(|e| panic!("running nvcc for {}: {e}", src.display()));
+    assert!(status.success(), "nvcc failed on {}", src.display());
 }

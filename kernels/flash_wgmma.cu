@@ -1,0 +1,325 @@
+// Flash attention on Hopper's warp-group MMA (sm_90a; Shah et al. 2024, "FlashAttention-3"):
+// the encoders' dense attention at head dim 64, where the mma.sync kernel of
+// flash_attention.cu is latency-bound (255 registers, one issue every 4 cycles a warp).
+// Same contract as flash_dense there: q, k and v rows at q + b·q_batch + i·q_row + h·64 (k
+// and v with kv_batch, kv_row and the kv head), output likewise (o_batch, o_row); keys >=
+// n_k hidden; with past >= 0, query i sees keys <= past + i; `group` query heads a kv head.
+//
+// A CTA is FW_GROUPS warp groups of 128 threads, each owning 64 query rows. Q (loaded once)
+// and a ring of FW_STAGES K/V tiles of 64 keys live in shared memory in the layout the
+// tensor cores read through descriptors: 128-byte rows (64 16-bit values, one head), the
+// 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the 128-byte swizzle, which keeps
+// the 8 rows a core matrix reads in distinct banks), tiles 1024-byte aligned.
+//
+// Per tile of keys, a warp group issues S = Q·Kᵀ as four wgmma m64n64k16 (Q and K both
+// K-major from shared memory) and O += P·V as four more (P from registers, the scores'
+// accumulators rounded to 16 bits; V "MN-major", i.e. transposed by the instruction).
+// PIPE: the product P·V of the previous tile runs while this tile's scores go through the
+// softmax (FlashAttention-3's intra-warpgroup overlap); the exponentials, 1/16 of the tensor
+// cores' rate per element, are what a head dim of 64 is bound by otherwise.
+//
+// Accumulator layout (as mma.sync's m16n8 per 8 columns): warp w of the group holds rows
+// 16w + g and 16w + g + 8 (g = lane / 4); register 4j + e is column 8j + 2·(lane % 4) +
+// (e & 1) of row 16w + g + 8·(e >> 1).
+
+#include "float.cuh"
+#include <stdint.h>
+
+#define FW_GROUPS 2
+#define FW_BR (64 * FW_GROUPS)
+#define FW_BC 64
+#define FW_STAGES 3
+#define FW_TILE (FW_BC * 128)  // bytes of one K or V tile
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 128-byte rows.
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// A shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes apart (the
+// stride byte offset). The leading byte offset only matters where an operand spans more
+// than one swizzle atom along its leading dimension, which none here does.
+__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t lbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+#define D32                                                                                                          \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%" \
+  "30,%31}"
+#define D32_OPS(d)                                                                                                  \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// d (+)= a·b for a 64×64 tile over 16 of K: both operands from shared memory, K-major.
+// d (+)= a·b with a from registers (mma.sync's A fragment of the warp's 16 rows) and b
+// MN-major in shared memory.
+template <typename T> struct Wgmma;
+#define WGMMA(T, NAME)                                                                                             \
+  template <> struct Wgmma<T> {                                                                                    \
+    static __device__ __forceinline__ void ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {           \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                   : D32_OPS(d)                                                                                  \
+                   : "l"(a), "l"(b), "r"(accumulate));                                                           \
+    }                                                                                                              \
+    static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {               \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                    \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " D32                           \
+                   ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                                    \
+                   : D32_OPS(d)                                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                                        \
+    }                                                                                                              \
+  };
+WGMMA(__nv_bfloat16, "bf16")
+WGMMA(__half, "f16")
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of accumulators across a wait.
+template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 16 bytes global → shared (a shared-window address), or 16 zero bytes when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The online softmax of one tile's raw scores (base 2, scale folded in): masks, updates the
+// running max m and sum l of rows g and g + 8, turns s into probabilities and returns the
+// factor the accumulated output must be scaled by.
+// MASKED: the tile has hidden keys (past n_k, or causal); a separate instantiation, since
+// the compiler turns the masking into four instructions a score even where it is off.
+template <bool MASKED>
+__device__ __forceinline__ void softmax_tile(float (&s)[32], float (&m)[2], float (&l)[2], float (&alpha)[2], int kbase, int n_k, int past, int row, int t4,
+                                             float scale_log2) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (MASKED) {
+        const int key = kbase + 8 * j + 2 * t4 + (e & 1), r = row + ((e >> 1) << 3);
+        if (key >= n_k || (past >= 0 && key > past + r)) s[4 * j + e] = -INFINITY;
+      }
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+    }
+  }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float mnew = fmaxf(m[r], mx[r]);
+    base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
+    alpha[r] = fast_exp2(m[r] * scale_log2 - base[r]);
+    m[r] = mnew;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -base[e >> 1]));
+      s[4 * j + e] = p;
+      l[e >> 1] += p;
+    }
+  }
+}
+
+template <bool B> struct Bool {
+  static constexpr bool value = B;
+};
+
+template <typename T, bool PIPE>
+__device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
+                            const T* __restrict__ v, long kv_batch, long kv_row, T* __restrict__ out, long o_batch,
+                            long o_row, int n_q, int n_k, int group, int past, float scale_log2) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // The launch adds 1024 bytes so that the tiles can start on a 1024-byte boundary (the
+  // swizzle's period: the descriptors' base offset is then 0).
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t qs = (raw + 1023) & ~1023u;        // [FW_BR][128 bytes]
+  const uint32_t ks = qs + FW_BR * 128;             // [FW_STAGES][FW_BC][128 bytes]
+  const uint32_t vs = ks + FW_STAGES * FW_TILE;     // [FW_STAGES][FW_BC][128 bytes]
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int tile_q = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, kvh = h / group;
+  const int q0 = tile_q * FW_BR + wg * 64;  // the group's first row
+  const bool active = q0 < n_q;             // uniform across the group
+  const int row = q0 + 16 * warp + g;       // this lane's first row
+
+  const T* qb = q + b * q_batch + (long)h * 64;
+#pragma unroll
+  for (int c = tid; c < FW_BR * 8; c += FW_GROUPS * 128) {
+    const int r = c >> 3, ch = c & 7, i = tile_q * FW_BR + r;
+    const bool ok = i < n_q;
+    cp_async16(qs + swizzled(r, ch), ok ? qb + (long)i * q_row + ch * 8 : qb, ok);
+  }
+
+  const int last_q = min(n_q, (tile_q + 1) * FW_BR) - 1;
+  const int kv_end = past >= 0 ? min(n_k, past + last_q + 1) : n_k;
+  const int tiles = (kv_end + FW_BC - 1) / FW_BC;
+
+  // Each thread copies chunk `tid % 8` of rows tid / 8 and tid / 8 + 32 of every K and V
+  // tile: its source rows advance by 64 rows a tile, its swizzled destinations stay.
+  static_assert(FW_GROUPS * 128 * 2 == FW_BC * 8, "two chunks a thread a tile");
+  const int lr = tid >> 3, lch = tid & 7;
+  const long src0 = b * kv_batch + (long)lr * kv_row + (long)kvh * 64 + lch * 8, src_step = 32 * kv_row;
+  const uint32_t dst0 = swizzled(lr, lch), dst1 = swizzled(lr + 32, lch);
+  auto load = [&](int tile) {
+    const uint32_t stage = (tile % FW_STAGES) * FW_TILE;
+    const int j = tile * FW_BC + lr;
+    const long off = src0 + (long)tile * FW_BC * kv_row;
+    const bool ok0 = j < kv_end, ok1 = j + 32 < kv_end;
+    cp_async16(ks + stage + dst0, k + (ok0 ? off : 0), ok0);
+    cp_async16(vs + stage + dst0, v + (ok0 ? off : 0), ok0);
+    cp_async16(ks + stage + dst1, k + (ok1 ? off + src_step : 0), ok1);
+    cp_async16(vs + stage + dst1, v + (ok1 ? off + src_step : 0), ok1);
+    asm volatile("cp.async.commit_group;\n");
+  };
+
+  float o[32], s[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i] = s[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t p[4][4];
+
+  // O += P·V over the 64 keys of the tile in `stage`.
+  auto pv = [&](int stage) {
+    const uint32_t vt = vs + stage * FW_TILE;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T>::rs(o, p[kk], descriptor(vt + kk * 16 * 128, 1024));
+    wg_commit();
+  };
+
+  // One tile of keys; FIRST: no P·V of a previous tile to queue (only with PIPE); MASKED:
+  // some of its keys are hidden.
+  auto step = [&](int t, auto first, auto masked) {
+    constexpr bool QUEUE = PIPE && !decltype(first)::value;
+    // S = Q·Kᵀ; with PIPE, the previous tile's P·V queued behind it.
+    const uint32_t kt = ks + (t % FW_STAGES) * FW_TILE, qg = qs + wg * 64 * 128;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T>::ss(s, descriptor(qg + kk * 32, 16), descriptor(kt + kk * 32, 16), kk);
+    wg_commit();
+    if (QUEUE) {
+      pv((t - 1) % FW_STAGES);
+      wg_wait<1>();
+    } else {
+      wg_wait<0>();
+    }
+    pin(s);
+
+    const int kbase = t * FW_BC;
+    float alpha[2];
+    softmax_tile<decltype(masked)::value>(s, m, l, alpha, kbase, n_k, past, row, t4, scale_log2);
+
+    if (QUEUE) wg_wait<0>();
+    pin(o);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+    // Two adjacent 8-key column blocks of the scores make one 16-key A fragment.
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      p[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
+      p[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      p[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      p[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    if (!PIPE) {
+      wg_fence();
+      pv(t % FW_STAGES);
+      wg_wait<0>();
+      pin(o);
+    }
+  };
+
+  if (tiles > 0) load(0);  // with the queries: one group
+  for (int t = 0; t < tiles; ++t) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes → the tensor cores
+    // Tile t is in for everyone, and every group is done with tile t - 2's stage.
+    __syncthreads();
+    if (t + 1 < tiles) load(t + 1);
+    if (!active) continue;
+    const int kbase = t * FW_BC;
+    const bool masked = kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0);
+    if (t == 0) {
+      if (masked)
+        step(t, Bool<true>(), Bool<true>());
+      else
+        step(t, Bool<true>(), Bool<false>());
+    } else {
+      if (masked)
+        step(t, Bool<false>(), Bool<true>());
+      else
+        step(t, Bool<false>(), Bool<false>());
+    }
+  }
+  if (PIPE && active && tiles > 0) {
+    wg_fence();
+    pv((tiles - 1) % FW_STAGES);
+    wg_wait<0>();
+    pin(o);
+  }
+  if (!active) return;
+
+  T* ob = out + b * o_batch + (long)h * 64;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = row + 8 * half;
+    if (i >= n_q) continue;
+    T* dst = ob + (long)i * o_row + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<T>(o[4 * j + 2 * half] * l[half], o[4 * j + 2 * half + 1] * l[half]);
+  }
+}
+
+#define FLASH_WGMMA(suffix, T, PIPE, name)                                                                        \
+  extern "C" __global__ void __launch_bounds__(FW_GROUPS * 128, 2)                                                 \
+      name##_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch, long kv_row,   \
+                      T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past, float scale_log2) { \
+    flash_wgmma<T, PIPE>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past,    \
+                         scale_log2);                                                                               \
+  }
+
+FLASH_WGMMA(bf16, __nv_bfloat16, false, flash_wgmma)
+FLASH_WGMMA(bf16, __nv_bfloat16, true, flash_wgmma_pipe)
+FLASH_WGMMA(f16, __half, false, flash_wgmma)
+FLASH_WGMMA(f16, __half, true, flash_wgmma_pipe)
