@@ -21,6 +21,7 @@
 // keys past the ends are zero-filled, never read from memory.
 
 #include "float.cuh"
+#include "flash_common.cuh"
 #include <stdint.h>
 
 #define FA_WARPS 4
@@ -64,17 +65,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-template <bool B> struct Bool {
-  static constexpr bool value = B;
-};
-
-// 2^x by the SFU (approximate, flushing subnormals; 2^-inf = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Shared memory a CTA needs (the launch computes it): K and V tiles, double-buffered, rows
 // padded by 8 elements so that the 8 rows an ldmatrix reads fall in distinct banks.

@@ -14,21 +14,19 @@
 // Per tile of keys, a warp group issues S = Q·Kᵀ as four wgmma m64n64k16 (Q and K both
 // K-major from shared memory) and O += P·V as four more (P from registers, the scores'
 // accumulators rounded to 16 bits; V "MN-major", i.e. transposed by the instruction).
-// PIPE: the product P·V of the previous tile runs while this tile's scores go through the
-// softmax (FlashAttention-3's intra-warpgroup overlap); the exponentials, 1/16 of the tensor
-// cores' rate per element, are what a head dim of 64 is bound by otherwise.
 //
 // Accumulator layout (as mma.sync's m16n8 per 8 columns): warp w of the group holds rows
 // 16w + g and 16w + g + 8 (g = lane / 4); register 4j + e is column 8j + 2·(lane % 4) +
 // (e & 1) of row 16w + g + 8·(e >> 1).
 
 #include "float.cuh"
+#include "flash_common.cuh"
 #include <stdint.h>
 
 #define FW_GROUPS 2
 #define FW_BR (64 * FW_GROUPS)
 #define FW_BC 64
-#define FW_STAGES 3
+#define FW_STAGES 2
 #define FW_TILE (FW_BC * 128)  // bytes of one K or V tile
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 128-byte rows.
@@ -90,59 +88,7 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// The online softmax of one tile's raw scores (base 2, scale folded in): masks, updates the
-// running max m and sum l of rows g and g + 8, turns s into probabilities and returns the
-// factor the accumulated output must be scaled by.
-// MASKED: the tile has hidden keys (past n_k, or causal); a separate instantiation, since
-// the compiler turns the masking into four instructions a score even where it is off.
-template <bool MASKED>
-__device__ __forceinline__ void softmax_tile(float (&s)[32], float (&m)[2], float (&l)[2], float (&alpha)[2], int kbase, int n_k, int past, int row, int t4,
-                                             float scale_log2) {
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (MASKED) {
-        const int key = kbase + 8 * j + 2 * t4 + (e & 1), r = row + ((e >> 1) << 3);
-        if (key >= n_k || (past >= 0 && key > past + r)) s[4 * j + e] = -INFINITY;
-      }
-      mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-    }
-  }
-  float base[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float mnew = fmaxf(m[r], mx[r]);
-    base[r] = mnew == -INFINITY ? 0.f : mnew * scale_log2;  // every key so far hidden
-    alpha[r] = fast_exp2(m[r] * scale_log2 - base[r]);
-    m[r] = mnew;
-    l[r] *= alpha[r];
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -base[e >> 1]));
-      s[4 * j + e] = p;
-      l[e >> 1] += p;
-    }
-  }
-}
-
-template <bool B> struct Bool {
-  static constexpr bool value = B;
-};
-
-template <typename T, bool PIPE>
+template <typename T>
 __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
                             const T* __restrict__ v, long kv_batch, long kv_row, T* __restrict__ out, long o_batch,
                             long o_row, int n_q, int n_k, int group, int past, float scale_log2) {
@@ -196,40 +142,21 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i] = s[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  uint32_t p[4][4];
 
-  // O += P·V over the 64 keys of the tile in `stage`.
-  auto pv = [&](int stage) {
-    const uint32_t vt = vs + stage * FW_TILE;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T>::rs(o, p[kk], descriptor(vt + kk * 16 * 128, 1024));
-    wg_commit();
-  };
-
-  // One tile of keys; FIRST: no P·V of a previous tile to queue (only with PIPE); MASKED:
-  // some of its keys are hidden.
-  auto step = [&](int t, auto first, auto masked) {
-    constexpr bool QUEUE = PIPE && !decltype(first)::value;
-    // S = Q·Kᵀ; with PIPE, the previous tile's P·V queued behind it.
-    const uint32_t kt = ks + (t % FW_STAGES) * FW_TILE, qg = qs + wg * 64 * 128;
+  // One tile of keys; MASKED: some of them are hidden.
+  auto step = [&](int t, auto masked) {
+    const uint32_t stage = (t % FW_STAGES) * FW_TILE, qg = qs + wg * 64 * 128;
+    // S = Q·Kᵀ.
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T>::ss(s, descriptor(qg + kk * 32, 16), descriptor(kt + kk * 32, 16), kk);
+    for (int kk = 0; kk < 4; ++kk)
+      Wgmma<T>::ss(s, descriptor(qg + kk * 32, 16), descriptor(ks + stage + kk * 32, 16), kk);
     wg_commit();
-    if (QUEUE) {
-      pv((t - 1) % FW_STAGES);
-      wg_wait<1>();
-    } else {
-      wg_wait<0>();
-    }
+    wg_wait<0>();
     pin(s);
 
-    const int kbase = t * FW_BC;
     float alpha[2];
-    softmax_tile<decltype(masked)::value>(s, m, l, alpha, kbase, n_k, past, row, t4, scale_log2);
-
-    if (QUEUE) wg_wait<0>();
-    pin(o);
+    softmax_tile<decltype(masked)::value>(s, m, l, alpha, t * FW_BC, n_k, past, row, t4, scale_log2);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       o[4 * j] *= alpha[0];
@@ -237,7 +164,8 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
       o[4 * j + 2] *= alpha[1];
       o[4 * j + 3] *= alpha[1];
     }
-    // Two adjacent 8-key column blocks of the scores make one 16-key A fragment.
+    // O += P·V: two adjacent 8-key column blocks of the scores make one 16-key A fragment.
+    uint32_t p[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       p[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
@@ -245,41 +173,28 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
       p[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
       p[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
     }
-    if (!PIPE) {
-      wg_fence();
-      pv(t % FW_STAGES);
-      wg_wait<0>();
-      pin(o);
-    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T>::rs(o, p[kk], descriptor(vs + stage + kk * 16 * 128, 1024));
+    wg_commit();
+    wg_wait<0>();
+    pin(o);
   };
 
   if (tiles > 0) load(0);  // with the queries: one group
   for (int t = 0; t < tiles; ++t) {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes → the tensor cores
-    // Tile t is in for everyone, and every group is done with tile t - 2's stage.
+    // Tile t is in for everyone, and every group is done with tile t - 1, whose stage the
+    // next load reuses.
     __syncthreads();
     if (t + 1 < tiles) load(t + 1);
     if (!active) continue;
     const int kbase = t * FW_BC;
-    const bool masked = kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0);
-    if (t == 0) {
-      if (masked)
-        step(t, Bool<true>(), Bool<true>());
-      else
-        step(t, Bool<true>(), Bool<false>());
-    } else {
-      if (masked)
-        step(t, Bool<false>(), Bool<true>());
-      else
-        step(t, Bool<false>(), Bool<false>());
-    }
-  }
-  if (PIPE && active && tiles > 0) {
-    wg_fence();
-    pv((tiles - 1) % FW_STAGES);
-    wg_wait<0>();
-    pin(o);
+    if (kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0))
+      step(t, Bool<true>());
+    else
+      step(t, Bool<false>());
   }
   if (!active) return;
 
@@ -301,15 +216,14 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   }
 }
 
-#define FLASH_WGMMA(suffix, T, PIPE, name)                                                                        \
+#define FLASH_WGMMA(suffix, T)                                                                                    \
   extern "C" __global__ void __launch_bounds__(FW_GROUPS * 128, 2)                                                 \
-      name##_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch, long kv_row,   \
-                      T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past, float scale_log2) { \
-    flash_wgmma<T, PIPE>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past,    \
-                         scale_log2);                                                                               \
+      flash_wgmma_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch,            \
+                           long kv_row, T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past,   \
+                           float scale_log2) {                                                                     \
+    flash_wgmma<T>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past,          \
+                   scale_log2);                                                                                    \
   }
 
-FLASH_WGMMA(bf16, __nv_bfloat16, false, flash_wgmma)
-FLASH_WGMMA(bf16, __nv_bfloat16, true, flash_wgmma_pipe)
-FLASH_WGMMA(f16, __half, false, flash_wgmma)
-FLASH_WGMMA(f16, __half, true, flash_wgmma_pipe)
+FLASH_WGMMA(bf16, __nv_bfloat16)
+FLASH_WGMMA(f16, __half)

@@ -10,6 +10,16 @@ fn main() {
     }
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let compile = |name: &str, arch: &str| {
+        let src = kernels.join(format!("{name}.cu"));
+        let status = std::process::Command::new("nvcc")
+            .args(["--ptx", "-O3", &format!("-arch={arch}"), "-o"])
+            .arg(out.join(format!("{name}.ptx")))
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| panic!("running nvcc for {}: {e}", src.display()));
+        assert!(status.success(), "nvcc failed on {}", src.display());
+    };
     for name in [
         "decoder",
         "flash_attention",
@@ -22,24 +32,9 @@ fn main() {
         "sampling",
         "skinny",
     ] {
-        let src = kernels.join(format!("{name}.cu"));
-        let ptx = out.join(format!("{name}.ptx"));
-        let status = std::process::Command::new("nvcc")
-            .args(["--ptx", "-O3", &format!("-arch=compute_{cap}"), "-o"])
-            .arg(&ptx)
-            .arg(&src)
-            .status()
-            .unwrap_or_else(|e| panic!("running nvcc for {}: {e}", src.display()));
-        assert!(status.success(), "nvcc failed on {}", src.display());
+        compile(name, &format!("compute_{cap}"));
     }
     // Hopper's warp-group MMA exists only in the architecture-specific target (sm_90a); the
     // runtime loads this module on compute capability 9.0 devices alone.
-    let src = kernels.join("flash_wgmma.cu");
-    let status = std::process::Command::new("nvcc")
-        .args(["--ptx", "-O3", "-arch=compute_90a", "-o"])
-        .arg(out.join("flash_wgmma.ptx"))
-        .arg(&src)
-        .status()
-        .unwrap_or_else(|e| panic!("running nvcc for {}: {e}", src.display()));
-    assert!(status.success(), "nvcc failed on {}", src.display());
+    compile("flash_wgmma", "compute_90a");
 }

@@ -83,21 +83,16 @@ fn row_tiles() -> usize {
 enum Kernel {
     /// `flash_attention.cu`: mma.sync, warps of `tiles` row tiles of 16.
     Mma { tiles: usize },
-    /// `flash_wgmma.cu` (compute capability 9.0, head dim 64): warp-group MMAs; `pipe`
-    /// overlaps a tile's softmax with the previous tile's P·V.
-    Wgmma { pipe: bool },
+    /// `flash_wgmma.cu` (compute capability 9.0, head dim 64): warp-group MMAs.
+    Wgmma,
 }
 
 /// The dense kernel for `head_dim` on `device`: the warp-group one where it exists (head dim
-/// 64 on compute capability 9.0) unless `MMSERVE_FLASH_WGMMA=0` (`=2`: with the overlap,
-/// measured 2% slower on CLIP-L at batch 32), else mma.sync.
+/// 64 on compute capability 9.0) unless `MMSERVE_FLASH_WGMMA=0`, else mma.sync.
 fn dense_kernel(device: &Device, head_dim: usize) -> Kernel {
-    let choice = std::env::var("MMSERVE_FLASH_WGMMA").unwrap_or_default();
-    if head_dim == 64 && choice != "0" && wgmma_available(device) {
-        Kernel::Wgmma { pipe: choice == "2" }
-    } else {
-        Kernel::Mma { tiles: row_tiles() }
-    }
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| std::env::var("MMSERVE_FLASH_WGMMA").map_or(true, |v| v != "0"));
+    if head_dim == 64 && wanted && wgmma_available(device) { Kernel::Wgmma } else { Kernel::Mma { tiles: row_tiles() } }
 }
 
 /// Whether `device` runs sm_90a code (compute capability exactly 9.0).
@@ -129,7 +124,7 @@ fn load_wgmma(
 ) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_wgmma.ptx"));
     const ROWS: usize = 128; // FW_BR
-    const STAGES: usize = 3; // FW_STAGES
+    const STAGES: usize = 2; // FW_STAGES
     let func = dev.get_or_load_custom_func(name, "mmserve_flash_wgmma", PTX)?;
     // 1024 bytes to align the tiles, the queries, and the K/V ring: 128-byte rows.
     let smem = 1024 + (ROWS + 2 * STAGES * 64) * 128;
@@ -300,10 +295,8 @@ impl CustomOp1 for Packed {
         let out = by_half!(s.dtype(), |T, SUFFIX| {
             let (func, cfg) = match self.kernel {
                 Kernel::Mma { tiles } => load(&dev, &g, &format!("flash_dense_{SUFFIX}"), tiles)?,
-                Kernel::Wgmma { pipe } if g.head_dim == 64 => {
-                    load_wgmma(&dev, &g, &format!("flash_wgmma{}_{SUFFIX}", if pipe { "_pipe" } else { "" }))?
-                }
-                Kernel::Wgmma { .. } => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
+                Kernel::Wgmma if g.head_dim == 64 => load_wgmma(&dev, &g, &format!("flash_wgmma_{SUFFIX}"))?,
+                Kernel::Wgmma => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
             };
             let qkv = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let (k, v) = (qkv.slice(width..), qkv.slice(2 * width..));
@@ -490,7 +483,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             let want = run(&Device::Cpu, Kernel::Mma { tiles: 1 })?;
             let mut kernels = vec![Kernel::Mma { tiles: 1 }, Kernel::Mma { tiles: 2 }];
             if hd == 64 && wgmma_available(device) {
-                kernels.extend([Kernel::Wgmma { pipe: false }, Kernel::Wgmma { pipe: true }]);
+                kernels.push(Kernel::Wgmma);
             }
             for kernel in kernels {
                 if let Some(line) = judge(&run(device, kernel)?, &want, dtype) {
