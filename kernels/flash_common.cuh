@@ -23,12 +23,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // accumulated output must be scaled by.
 // MASKED: the tile has hidden keys (past n_k, or causal); a separate instantiation, since
 // the compiler turns the masking into four instructions a score even where it is off.
-template <bool MASKED>
+// NB: the 8-key column blocks computed (the rest of s is left alone and ignored).
+template <bool MASKED, int NB = 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[32], float (&m)[2], float (&l)[2], float (&alpha)[2], int kbase, int n_k, int past, int row, int t4,
                                              float scale_log2) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < NB; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (MASKED) {
@@ -50,7 +51,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[32], float (&m)[2], floa
     l[r] *= alpha[r];
   }
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < NB; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -base[e >> 1]));

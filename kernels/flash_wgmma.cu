@@ -61,6 +61,16 @@ template <typename T> struct Wgmma;
                    : D32_OPS(d)                                                                                  \
                    : "l"(a), "l"(b), "r"(accumulate));                                                           \
     }                                                                                                              \
+    /* The same for 16 keys (n16): the first 8 accumulators, laid out as the first two  \
+       8-column blocks of the n64 form. */                                                                         \
+    static __device__ __forceinline__ void ss16(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {         \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                                  \
+                   "wgmma.mma_async.sync.aligned.m64n16k16.f32." NAME "." NAME                                   \
+                   " {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"                                       \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
+                     "+f"(d[7])                                                                                  \
+                   : "l"(a), "l"(b), "r"(accumulate));                                                           \
+    }                                                                                                              \
     static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {               \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                    \
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " D32                           \
@@ -143,20 +153,28 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   for (int i = 0; i < 32; ++i) o[i] = s[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  // One tile of keys; MASKED: some of them are hidden.
-  auto step = [&](int t, auto masked) {
+  // One tile of keys; MASKED: some of them are hidden. NARROW: only its first 16 keys are
+  // visible (the last tile of CLIP-L's 577 holds one): the scores are an n16 MMA and P·V
+  // one k16 step, an eighth and a quarter of the full tile's.
+  auto step = [&](int t, auto masked, auto narrow) {
+    constexpr bool NARROW = decltype(narrow)::value;
+    constexpr int NB = NARROW ? 2 : 8;  // 8-key column blocks computed
     const uint32_t stage = (t % FW_STAGES) * FW_TILE, qg = qs + wg * 64 * 128;
     // S = Q·Kᵀ.
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      Wgmma<T>::ss(s, descriptor(qg + kk * 32, 16), descriptor(ks + stage + kk * 32, 16), kk);
+    for (int kk = 0; kk < 4; ++kk) {
+      if (NARROW)
+        Wgmma<T>::ss16(s, descriptor(qg + kk * 32, 16), descriptor(ks + stage + kk * 32, 16), kk);
+      else
+        Wgmma<T>::ss(s, descriptor(qg + kk * 32, 16), descriptor(ks + stage + kk * 32, 16), kk);
+    }
     wg_commit();
     wg_wait<0>();
     pin(s);
 
     float alpha[2];
-    softmax_tile<decltype(masked)::value>(s, m, l, alpha, t * FW_BC, n_k, past, row, t4, scale_log2);
+    softmax_tile<decltype(masked)::value, NB>(s, m, l, alpha, t * FW_BC, n_k, past, row, t4, scale_log2);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       o[4 * j] *= alpha[0];
@@ -167,7 +185,7 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
     // O += P·V: two adjacent 8-key column blocks of the scores make one 16-key A fragment.
     uint32_t p[4][4];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < NB / 2; ++kk) {
       p[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
       p[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
       p[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
@@ -175,7 +193,7 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
     }
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T>::rs(o, p[kk], descriptor(vs + stage + kk * 16 * 128, 1024));
+    for (int kk = 0; kk < NB / 2; ++kk) Wgmma<T>::rs(o, p[kk], descriptor(vs + stage + kk * 16 * 128, 1024));
     wg_commit();
     wg_wait<0>();
     pin(o);
@@ -191,10 +209,12 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
     if (t + 1 < tiles) load(t + 1);
     if (!active) continue;
     const int kbase = t * FW_BC;
-    if (kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0))
-      step(t, Bool<true>());
+    if (kv_end - kbase <= 16)
+      step(t, Bool<true>(), Bool<true>());
+    else if (kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0))
+      step(t, Bool<true>(), Bool<false>());
     else
-      step(t, Bool<false>());
+      step(t, Bool<false>(), Bool<false>());
   }
   if (!active) return;
 

@@ -426,6 +426,7 @@ fn parity(
     fused_differing.extend(mmserve_models::skinny_self_test(&device)?);
     fused_differing.extend(mmserve_models::flash_attention_self_test(&device)?);
     fused_differing.extend(mmserve_models::layer_norm_self_test(&device)?);
+    fused_differing.extend(mmserve_models::row_copy_self_test(&device)?);
     fused_differing.extend(mmserve_models::gemm_epilogue_self_test(&device)?);
     fused_differing.extend(mmserve_models::patch_embed_self_test(&device)?);
     // Greedy with the KV cache, as generate() runs: contiguous, then paged (our decode

@@ -29,6 +29,7 @@ fn main() {
         "merge",
         "paged_attention",
         "patch_embed",
+        "row_copy",
         "sampling",
         "skinny",
     ] {

@@ -31,6 +31,15 @@ impl Activation {
         })
     }
 
+    /// The name stem of `kernels/fused.cu`'s kernel for this activation, where there is one.
+    pub(crate) fn fused_stem(self) -> Option<&'static str> {
+        match self {
+            Activation::Gelu => Some("gelu_erf"),
+            Activation::QuickGelu => Some("quick_gelu"),
+            _ => None,
+        }
+    }
+
     pub fn apply(self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Activation::Gelu if x.device().is_cuda() => crate::fused::gelu_erf(x),

@@ -52,7 +52,7 @@ impl EncoderLayer {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         // Both residual adds ride in the GEMM before them on the GPU (`Linear::forward_residual`).
         let x = self.self_attn.forward(&self.layer_norm1.forward(x)?, None, Some(x))?;
-        let h = self.act.apply(&self.fc1.forward(&self.layer_norm2.forward(&x)?)?)?;
+        let h = self.fc1.forward_act(&self.layer_norm2.forward(&x)?, self.act)?;
         self.fc2.forward_residual(&h, &x)
     }
 }

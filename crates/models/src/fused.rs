@@ -391,6 +391,42 @@ impl CustomOp1 for Act {
     }
 }
 
+/// The activation `stem` (`quick_gelu`, `gelu_erf`) in place over the `n` elements of
+/// `dtype` at device address `at`, on `dev`'s stream (the chunked GEMM of
+/// `gemm_epilogue::linear_act` runs it on each chunk it has just written).
+#[cfg(feature = "cuda")]
+pub(crate) fn activation_in_place(
+    dev: &candle_core::CudaDevice,
+    stem: &str,
+    at: u64,
+    n: usize,
+    dtype: DType,
+) -> candle_core::Result<()> {
+    let size = dtype.size_in_bytes();
+    let vec = (n * size).is_multiple_of(16) && at.is_multiple_of(16);
+    let chunks = if vec { n * size / 16 } else { n };
+    let cfg = LaunchConfig {
+        grid_dim: (chunks.div_ceil(256).min(65_535 * 8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("{stem}: unsupported dtype {other:?}"),
+    };
+    let name = format!("{stem}{}_{suffix}", if vec { "_vec" } else { "" });
+    let func = dev.get_or_load_custom_func(&name, "mmserve_fused", PTX)?;
+    let n_arg = chunks as i64;
+    let mut b = func.builder();
+    b.arg(&at).arg(&at).arg(&n_arg);
+    // SAFETY: `at` holds n live elements of `dtype` (the caller's); each thread reads an
+    // element (or 16-byte chunk) before writing the same one, so in place is sound.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
 /// `x · sigmoid(1.702 x)` (CLIP's activation).
 pub(crate) fn quick_gelu(x: &Tensor) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op1_no_bwd(&Act::QuickGelu)

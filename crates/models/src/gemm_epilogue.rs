@@ -6,8 +6,9 @@
 //!
 //! The values differ from the separate passes by rounding only: the bias and the residual
 //! are added to the f32 accumulator before the one rounding to the output dtype.
-//! [`self_test`] checks it against the CPU's f32 result. The algorithm cuBLASLt's heuristic
-//! picks is cached per shape, so a step pays the search once.
+//! [`self_test`] checks it against the CPU's f32 result. The algorithm is chosen once per
+//! shape and cached: cuBLASLt's heuristic's first pick, or for large shapes the fastest of
+//! its first few, timed (`choose`).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -25,11 +26,53 @@ pub(crate) fn linear(
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
 ) -> candle_core::Result<Option<Tensor>> {
+    gemm(x, w, bias, residual, None)
+}
+
+/// `act(x·Wᵀ + b)` where `act` is one of `kernels/fused.cu`'s activations by its name stem
+/// (`quick_gelu`, `gelu_erf`), when the GEMM applies as for [`linear`]: the rows go in
+/// chunks whose output fits in L2 (`MMSERVE_MLP_CHUNK_MB`, 24 by default; 0: one chunk),
+/// each followed by the activation in place, which then reads and writes L2 rather than
+/// HBM (at CLIP-L's batch of 32 the separate pass moved 300 MB a layer).
+pub(crate) fn linear_act(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    act: &'static str,
+) -> candle_core::Result<Option<Tensor>> {
+    gemm(x, w, bias, None, Some((act, chunk_bytes())))
+}
+
+/// Bytes of output a chunk of [`linear_act`] aims at.
+fn chunk_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| std::env::var("MMSERVE_MLP_CHUNK_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(24) << 20)
+}
+
+/// Rows a chunk of `m` rows of `row_bytes` each: even chunks of at most `target` bytes,
+/// rounded up to 128 rows (a GEMM tile's height, which keeps every chunk's operands
+/// 256-byte aligned); all `m` when `target` is 0.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn chunk_rows(m: usize, row_bytes: usize, target: usize) -> usize {
+    if target == 0 || m * row_bytes <= target {
+        return m;
+    }
+    let chunks = (m * row_bytes).div_ceil(target);
+    m.div_ceil(chunks).next_multiple_of(128).min(m)
+}
+
+fn gemm(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    act: Option<(&'static str, usize)>,
+) -> candle_core::Result<Option<Tensor>> {
     let (m, _) = x.dims2()?;
     let applies = x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && m >= MIN_ROWS
-        && (bias.is_some() || residual.is_some());
+        && (bias.is_some() || residual.is_some() || act.is_some());
     if !applies {
         return Ok(None);
     }
@@ -43,12 +86,14 @@ pub(crate) fn linear(
         if ![Some(&x), Some(&w), bias, residual.as_ref()].into_iter().flatten().all(aligned) {
             return Ok(None);
         }
-        let op = cuda::Epilogue { bias, residual: residual.as_ref() };
+        let row_bytes = w.dim(0)? * w.dtype().size_in_bytes();
+        let chunk = act.map_or(m, |(_, target)| chunk_rows(m, row_bytes, target));
+        let op = cuda::Epilogue { bias, residual: residual.as_ref(), act: act.map(|a| a.0), chunk };
         Ok(Some(x.apply_op2_no_bwd(&w, &op)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (w, residual);
+        let _ = (w, residual, act);
         Ok(None)
     }
 }
@@ -57,21 +102,34 @@ pub(crate) fn linear(
 mod cuda {
     use std::collections::HashMap;
     use std::ffi::c_void;
-    use std::sync::{Mutex, MutexGuard};
+    use std::sync::{Mutex, MutexGuard, OnceLock};
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublaslt::{result, sys};
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
     use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
-    /// The op over (x, w); the bias and the residual come with it.
+    /// The op over (x, w); the bias and the residual come with it, and the activation run
+    /// in place after each chunk of `chunk` rows.
     pub(super) struct Epilogue<'a> {
         pub(super) bias: Option<&'a Tensor>,
         pub(super) residual: Option<&'a Tensor>,
+        pub(super) act: Option<&'static str>,
+        pub(super) chunk: usize,
     }
 
     /// cuBLASLt's workspace on Hopper (NVIDIA's recommendation).
     const WORKSPACE: usize = 32 << 20;
+
+    /// Rows from which a new shape's algorithm is timed rather than taken on the heuristic's
+    /// word: the encoders' batches (577 rows an image) and long prefills, where the
+    /// heuristic's first pick ran CLIP-L's output projection at half the matmul peak and a
+    /// few milliseconds of timing, once per shape, are repaid within a few batches.
+    const TUNE_ROWS: usize = 4096;
+    /// Candidates timed, and launches timed of each (after one untimed).
+    const TUNE_CANDIDATES: usize = 8;
+    const TUNE_RUNS: usize = 3;
 
     /// The process's cuBLASLt handle, workspace and chosen algorithms (one GPU per process).
     struct Lt {
@@ -151,33 +209,96 @@ mod cuda {
         Ok(descs)
     }
 
-    fn pick(
-        lt: &mut Lt,
+    /// cuBLASLt's heuristic's first `count` algorithms for the call `descs` describes.
+    fn candidates(
+        handle: sys::cublasLtHandle_t,
         descs: &Descs,
-        key: (usize, usize, usize, DType, bool, bool),
-    ) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
-        if let Some(algo) = lt.algos.get(&key) {
-            return Ok(*algo);
-        }
+        count: usize,
+    ) -> candle_core::Result<Vec<sys::cublasLtMatmulAlgo_t>> {
         let wrap = candle_core::Error::wrap;
         let pref = result::create_matmul_pref().map_err(wrap)?;
         let size = WORKSPACE as u64;
         let [a, b, c] = descs.layouts;
-        // SAFETY: `pref` and the descriptors are live; the attribute is a u64 byte count.
-        let found = unsafe {
+        let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(count);
+        let mut n = 0i32;
+        // SAFETY: `pref` and the descriptors are live; the attribute is a u64 byte count;
+        // `found` has room for `count` results, of which the call fills the first `n`.
+        let status = unsafe {
             let set = result::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &size as *const u64 as *const c_void,
                 size_of::<u64>(),
             );
-            let found = set.and_then(|_| result::get_matmul_algo_heuristic(lt.handle, descs.desc, a, b, c, c, pref));
+            let got = set.and_then(|_| {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    descs.desc,
+                    a,
+                    b,
+                    c,
+                    c,
+                    pref,
+                    count as i32,
+                    found.as_mut_ptr(),
+                    &mut n,
+                )
+                .result()
+            });
             let _ = result::destroy_matmul_pref(pref);
-            found
+            if got.is_ok() {
+                found.set_len((n.max(0) as usize).min(count));
+            }
+            got
+        };
+        status.map_err(wrap)?;
+        let algos: Vec<_> =
+            found.iter().filter(|f| f.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|f| f.algo).collect();
+        if algos.is_empty() {
+            candle_core::bail!("gemm_epilogue: cuBLASLt has no algorithm for this GEMM");
         }
-        .map_err(wrap)?;
-        lt.algos.insert(key, found.algo);
-        Ok(found.algo)
+        Ok(algos)
+    }
+
+    /// The algorithm for a new shape: the heuristic's first, or from `TUNE_ROWS` rows the
+    /// fastest of its first `TUNE_CANDIDATES`, each timed on the call's own operands (the
+    /// outputs are rewritten by the real launch after).
+    fn choose(
+        handle: sys::cublasLtHandle_t,
+        descs: &Descs,
+        rows: usize,
+        stream: &CudaStream,
+        launch: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> candle_core::Result<()>,
+    ) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
+        let tune = rows >= TUNE_ROWS && tuning();
+        let algos = candidates(handle, descs, if tune { TUNE_CANDIDATES } else { 1 })?;
+        if algos.len() == 1 {
+            return Ok(algos[0]);
+        }
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = (f32::INFINITY, algos[0]);
+        for algo in algos {
+            // The warm-up also weeds out an algorithm that refuses these operands.
+            if launch(&algo).is_err() {
+                continue;
+            }
+            let start = stream.record_event(timing).map_err(candle_core::Error::wrap)?;
+            for _ in 0..TUNE_RUNS {
+                launch(&algo)?;
+            }
+            let end = stream.record_event(timing).map_err(candle_core::Error::wrap)?;
+            let ms = start.elapsed_ms(&end).map_err(candle_core::Error::wrap)?;
+            if ms < best.0 {
+                best = (ms, algo);
+            }
+        }
+        Ok(best.1)
+    }
+
+    /// `MMSERVE_GEMM_TUNE=0` keeps the heuristic's first algorithm for every shape.
+    fn tuning() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var("MMSERVE_GEMM_TUNE").map_or(true, |v| v != "0"))
     }
 
     impl CustomOp2 for Epilogue<'_> {
@@ -255,38 +376,63 @@ mod cuda {
                     let (op, _ro) = out.device_ptr_mut(&stream);
                     let bp = bias_view.as_ref().map(|b| b.device_ptr(&stream));
                     let rp = res_view.as_ref().map(|r| r.device_ptr(&stream));
-                    let descs = describe(dtype, m, n, k, bp.as_ref().map(|b| b.0))?;
                     let mut guard = lt(&dev)?;
-                    let Some(lt) = guard.as_mut() else { candle_core::bail!("cuBLASLt handle missing") };
-                    let algo = pick(lt, &descs, (m, n, k, dtype, bias.is_some(), residual.is_some()))?;
+                    let Some(Lt { handle, workspace, algos }) = guard.as_mut() else {
+                        candle_core::bail!("cuBLASLt handle missing")
+                    };
+                    let handle = *handle;
                     let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
-                    let c = rp.as_ref().map_or(op, |r| r.0);
-                    let (ws, _rws) = lt.workspace.device_ptr(&stream);
-                    let [la, lb, lc] = descs.layouts;
-                    // SAFETY: A, B, C and D point at live device buffers of the shapes the
-                    // layouts describe (checked above); D is fresh, C is the residual or D
-                    // itself with β = 0; all on this device's stream, which the call joins.
-                    unsafe {
-                        result::matmul(
-                            lt.handle,
-                            descs.desc,
-                            &alpha as *const f32 as *const c_void,
-                            &beta as *const f32 as *const c_void,
-                            wp as *const c_void,
-                            la,
-                            xp as *const c_void,
-                            lb,
-                            c as *const c_void,
-                            lc,
-                            op as *mut c_void,
-                            lc,
-                            &algo,
-                            ws as *mut c_void,
-                            WORKSPACE,
-                            stream.cu_stream() as sys::cudaStream_t,
-                        )
+                    let (ws, _rws) = workspace.device_ptr(&stream);
+                    let size = std::mem::size_of::<$t>() as u64;
+                    let chunk = self.chunk.clamp(1, m);
+                    for first in (0..m).step_by(chunk) {
+                        let rows = chunk.min(m - first);
+                        let descs = describe(dtype, rows, n, k, bp.as_ref().map(|b| b.0))?;
+                        let (xc, dc) = (xp + (first * k) as u64 * size, op + (first * n) as u64 * size);
+                        let cc = rp.as_ref().map_or(dc, |r| r.0 + (first * n) as u64 * size);
+                        let [la, lb, lc] = descs.layouts;
+                        let launch = |algo: &sys::cublasLtMatmulAlgo_t| {
+                            // SAFETY: A, B, C and D point at live device buffers of the shapes
+                            // the layouts describe (checked above; a chunk's rows lie inside x,
+                            // the residual and D); D is fresh, C is the residual or D itself
+                            // with β = 0 (so a repeated launch writes the same D); all on this
+                            // device's stream, which the call joins.
+                            unsafe {
+                                result::matmul(
+                                    handle,
+                                    descs.desc,
+                                    &alpha as *const f32 as *const c_void,
+                                    &beta as *const f32 as *const c_void,
+                                    wp as *const c_void,
+                                    la,
+                                    xc as *const c_void,
+                                    lb,
+                                    cc as *const c_void,
+                                    lc,
+                                    dc as *mut c_void,
+                                    lc,
+                                    algo,
+                                    ws as *mut c_void,
+                                    WORKSPACE,
+                                    stream.cu_stream() as sys::cudaStream_t,
+                                )
+                            }
+                            .map_err(candle_core::Error::wrap)
+                        };
+                        let key = (rows, n, k, dtype, bias.is_some(), residual.is_some());
+                        let algo = match algos.get(&key) {
+                            Some(algo) => *algo,
+                            None => {
+                                let algo = choose(handle, &descs, rows, &stream, &launch)?;
+                                algos.insert(key, algo);
+                                algo
+                            }
+                        };
+                        launch(&algo)?;
+                        if let Some(act) = self.act {
+                            crate::fused::activation_in_place(&dev, act, dc, rows * n, dtype)?;
+                        }
                     }
-                    .map_err(candle_core::Error::wrap)?;
                     drop((_rx, _rw, _ro, bp, rp, _rws));
                     candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
                 }};
@@ -328,6 +474,11 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                     linear(&xd, &wd, Some(&bd), Some(&rd))?,
                     (base.broadcast_add(&f(&b)?)? + f(&r)?)?,
                 ),
+                // In chunks of 128 rows (where there are more), each activated in place.
+                ("bias and quick_gelu in chunks", gemm(&xd, &wd, Some(&bd), None, Some(("quick_gelu", 64 << 10)))?, {
+                    let y = base.broadcast_add(&f(&b)?)?;
+                    (&y * candle_nn::ops::sigmoid(&(&y * 1.702)?)?)?
+                }),
             ];
             let ulp = if dtype == DType::F16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
             for (what, got, want) in runs {
@@ -342,11 +493,34 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                     let d = (a - b).abs() / (b.abs() + 1.0);
                     if d.is_nan() { f32::INFINITY } else { acc.max(d) }
                 });
-                if worst > 4.0 * ulp {
+                // The activation adds its own roundings (transformers' bf16 quick_gelu rounds
+                // twice inside) to the GEMM's.
+                let allowed = if what.contains("quick_gelu") { 8.0 * ulp } else { 4.0 * ulp };
+                if worst > allowed {
                     bad.push(format!("{what} case {i} {dtype:?}: max |Δ|/(|want| + 1) {worst:.3e}"));
                 }
             }
         }
     }
     Ok(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunk_rows;
+
+    #[test]
+    fn chunks_are_even_tile_multiples_that_cover_the_rows() {
+        // CLIP-L/336's fc1 at 32 images: 18464 rows of 8 KiB into about 24 MiB each.
+        let rows = chunk_rows(18464, 8192, 24 << 20);
+        assert_eq!(rows % 128, 0);
+        assert!(rows * 8192 <= (24 << 20) + 128 * 8192, "{rows}");
+        assert_eq!(18464usize.div_ceil(rows), 7);
+        // Small outputs, and a target of 0, take one chunk.
+        assert_eq!(chunk_rows(577, 8192, 24 << 20), 577);
+        assert_eq!(chunk_rows(18464, 8192, 0), 18464);
+        // Never more than all the rows.
+        assert_eq!(chunk_rows(130, 1 << 20, 1), 128);
+        assert_eq!(chunk_rows(100, 1 << 20, 1), 100);
+    }
 }

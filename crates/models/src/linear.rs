@@ -9,6 +9,7 @@
 
 use candle_core::{Module, Tensor};
 
+use crate::activation::Activation;
 use crate::fused::add_bias;
 use crate::gemm_epilogue;
 
@@ -52,6 +53,27 @@ impl Linear {
             return Ok(y);
         }
         crate::decoder_fused::silu_mul(&self.forward(x)?)
+    }
+
+    /// `act(x·Wᵀ + b)`: on the GPU in 16-bit, where `act` has a fused kernel, the GEMM in
+    /// row chunks each followed by the activation in place (`gemm_epilogue::linear_act`);
+    /// elsewhere the layer, then the activation.
+    pub fn forward_act(&self, x: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
+        let (w, dims) = (self.inner.weight(), x.dims());
+        if x.device().is_cuda()
+            && let Some(stem) = act.fused_stem()
+        {
+            let k = dims.last().copied().unwrap_or(1);
+            let flat = x.reshape((x.elem_count() / k.max(1), k))?;
+            if let Some(y) = gemm_epilogue::linear_act(&flat, w, self.inner.bias(), stem)? {
+                let mut out = dims.to_vec();
+                if let Some(last) = out.last_mut() {
+                    *last = w.dim(0)?;
+                }
+                return y.reshape(out);
+            }
+        }
+        act.apply(&self.forward(x)?)
     }
 
     /// `residual + x·Wᵀ + b`: on the GPU in 16-bit one GEMM with both in its epilogue

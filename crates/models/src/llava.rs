@@ -69,11 +69,11 @@ impl LlavaVision {
         let features = match self.select {
             FeatureSelect::Default => {
                 let n = features.dim(1)?;
-                features.narrow(1, 1, n - 1)?
+                crate::row_copy::rows_of_each(&features, 1, n - 1)?
             }
             FeatureSelect::Full => features,
         };
-        let h = self.act.apply(&self.linear_1.forward(&features)?)?;
+        let h = self.linear_1.forward_act(&features, self.act)?;
         Ok(self.linear_2.forward(&h)?)
     }
 
