@@ -83,8 +83,7 @@ impl EncoderLayer {
     fn forward(&self, x: &Tensor, key_mask: &Tensor) -> candle_core::Result<Tensor> {
         let a = self.self_attn.forward(&self.self_attn_layer_norm.forward(x)?, Some(key_mask), None)?;
         let (h, normed) = self.final_layer_norm.add_forward(x, &a)?;
-        let m = self.fc2.forward(&self.act.apply(&self.fc1.forward(&normed)?)?)?;
-        h + m
+        self.fc2.forward_residual(&self.fc1.forward_act(&normed, self.act)?, &h)
     }
 }
 
