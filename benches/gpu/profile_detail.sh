@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Finer GPU profiles than profile.sh, on the H200 after the same build (.gpu carried):
 #   launches: per-launch durations of one vision batch of 32, grouped by kernel and grid
-#             (cuBLAS runs one kernel name for several shapes); decode1: the same for
+#             (cuBLAS runs one kernel name for several shapes), then one encoder layer's
+#             launches in order; decode1: the same for
 #             decode steps at batch 1 (decode8: 8); prefill: the same for a 2048-token prefill;
 #   flash:    Nsight Compute's throughput, occupancy and stall sections for one launch of
 #             each flash attention kernel (prefill over the pool, the encoder's).
@@ -32,6 +33,16 @@ for r in rows[head + 1:]:
 tot = sorted(((sum(t), len(t), key) for key, t in agg.items()), reverse=True)
 for t, n, (name, grid) in tot[:32]:
     print(f"{t/1e3:8.2f} ms {n:5d}x {t/n:8.1f} us  {grid:>16}  {name}")
+# One layer in launch order: from the launch after the second flash attention launch's
+# layer norm to the next (the second layer of the first forward pass).
+seq = [(r[k][:60], r[g], float(r[v].replace(",", "")) * {"ns": 1e-3, "nsecond": 1e-3, "us": 1, "usecond": 1,
+       "ms": 1e3, "msecond": 1e3}[r[u]]) for r in rows[head + 1:] if len(r) > v]
+flash = [i for i, x in enumerate(seq) if "flash" in x[0]]
+if len(flash) >= 3:
+    print("one layer, in launch order:")
+    for name, grid, us in seq[flash[1]:flash[2]]:
+        print(f"{us:9.1f} us  {grid:>16}  {name}")
+    print(f"{sum(x[2] for x in seq[flash[1]:flash[2]]):9.1f} us  the layer")
 PY
 }
 for d in ${DETAIL:-launches flash}; do
