@@ -5,7 +5,7 @@
 // and v with kv_batch, kv_row and the kv head), output likewise (o_batch, o_row); keys >=
 // n_k hidden; with past >= 0, query i sees keys <= past + i; `group` query heads a kv head.
 //
-// A CTA is FW_GROUPS warp groups of 128 threads, each owning 64 query rows. Q (loaded once)
+// A CTA is GROUPS (1 or 2) warp groups of 128 threads, each owning 64 query rows. Q (loaded once)
 // and a ring of FW_STAGES K/V tiles of 64 keys live in shared memory in the layout the
 // tensor cores read through descriptors: 128-byte rows (64 16-bit values, one head), the
 // 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the 128-byte swizzle, which keeps
@@ -23,8 +23,6 @@
 #include "flash_common.cuh"
 #include <stdint.h>
 
-#define FW_GROUPS 2
-#define FW_BR (64 * FW_GROUPS)
 #define FW_BC 64
 #define FW_STAGES 2
 #define FW_TILE (FW_BC * 128)  // bytes of one K or V tile
@@ -98,10 +96,11 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
-template <typename T>
+template <typename T, int GROUPS>
 __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
                             const T* __restrict__ v, long kv_batch, long kv_row, T* __restrict__ out, long o_batch,
                             long o_row, int n_q, int n_k, int group, int past, float scale_log2) {
+  constexpr int FW_BR = 64 * GROUPS;  // query rows a CTA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The launch adds 1024 bytes so that the tiles can start on a 1024-byte boundary (the
   // swizzle's period: the descriptors' base offset is then 0).
@@ -120,7 +119,7 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
 
   const T* qb = q + b * q_batch + (long)h * 64;
 #pragma unroll
-  for (int c = tid; c < FW_BR * 8; c += FW_GROUPS * 128) {
+  for (int c = tid; c < FW_BR * 8; c += GROUPS * 128) {
     const int r = c >> 3, ch = c & 7, i = tile_q * FW_BR + r;
     const bool ok = i < n_q;
     cp_async16(qs + swizzled(r, ch), ok ? qb + (long)i * q_row + ch * 8 : qb, ok);
@@ -130,21 +129,25 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   const int kv_end = past >= 0 ? min(n_k, past + last_q + 1) : n_k;
   const int tiles = (kv_end + FW_BC - 1) / FW_BC;
 
-  // Each thread copies chunk `tid % 8` of rows tid / 8 and tid / 8 + 32 of every K and V
-  // tile: its source rows advance by 64 rows a tile, its swizzled destinations stay.
-  static_assert(FW_GROUPS * 128 * 2 == FW_BC * 8, "two chunks a thread a tile");
+  // Each thread copies chunk `tid % 8` of rows tid / 8 + i · ROW_STEP (i < PER) of every K
+  // and V tile: its source rows advance by 64 rows a tile, its swizzled destinations stay
+  // (ROW_STEP is a multiple of 8, the swizzle's period).
+  constexpr int PER = FW_BC * 8 / (GROUPS * 128), ROW_STEP = FW_BC / PER;
+  static_assert(PER * GROUPS * 128 == FW_BC * 8 && ROW_STEP % 8 == 0, "whole chunks a thread a tile");
   const int lr = tid >> 3, lch = tid & 7;
-  const long src0 = b * kv_batch + (long)lr * kv_row + (long)kvh * 64 + lch * 8, src_step = 32 * kv_row;
-  const uint32_t dst0 = swizzled(lr, lch), dst1 = swizzled(lr + 32, lch);
+  const long src0 = b * kv_batch + (long)lr * kv_row + (long)kvh * 64 + lch * 8, src_step = ROW_STEP * kv_row;
+  const uint32_t dst0 = swizzled(lr, lch);
   auto load = [&](int tile) {
     const uint32_t stage = (tile % FW_STAGES) * FW_TILE;
     const int j = tile * FW_BC + lr;
     const long off = src0 + (long)tile * FW_BC * kv_row;
-    const bool ok0 = j < kv_end, ok1 = j + 32 < kv_end;
-    cp_async16(ks + stage + dst0, k + (ok0 ? off : 0), ok0);
-    cp_async16(vs + stage + dst0, v + (ok0 ? off : 0), ok0);
-    cp_async16(ks + stage + dst1, k + (ok1 ? off + src_step : 0), ok1);
-    cp_async16(vs + stage + dst1, v + (ok1 ? off + src_step : 0), ok1);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const bool ok = j + i * ROW_STEP < kv_end;
+      const uint32_t dst = dst0 + i * ROW_STEP * 128;
+      cp_async16(ks + stage + dst, k + (ok ? off + i * src_step : 0), ok);
+      cp_async16(vs + stage + dst, v + (ok ? off + i * src_step : 0), ok);
+    }
     asm volatile("cp.async.commit_group;\n");
   };
 
@@ -236,14 +239,16 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   }
 }
 
-#define FLASH_WGMMA(suffix, T)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(FW_GROUPS * 128, 2)                                                 \
-      flash_wgmma_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch,            \
-                           long kv_row, T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past,   \
-                           float scale_log2) {                                                                     \
-    flash_wgmma<T>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past,          \
-                   scale_log2);                                                                                    \
+// A CTA of two warp groups (128 query rows; two CTAs an SM), or of one (64; four).
+#define FLASH_WGMMA(name, suffix, T, GROUPS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(GROUPS * 128, 4 / GROUPS)                                          \
+      name##_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch, long kv_row,    \
+                      T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past, float scale_log2) {  \
+    flash_wgmma<T, GROUPS>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past, \
+                           scale_log2);                                                                            \
   }
 
-FLASH_WGMMA(bf16, __nv_bfloat16)
-FLASH_WGMMA(f16, __half)
+FLASH_WGMMA(flash_wgmma, bf16, __nv_bfloat16, 2)
+FLASH_WGMMA(flash_wgmma, f16, __half, 2)
+FLASH_WGMMA(flash_wgmma1, bf16, __nv_bfloat16, 1)
+FLASH_WGMMA(flash_wgmma1, f16, __half, 1)

@@ -83,16 +83,26 @@ fn row_tiles() -> usize {
 enum Kernel {
     /// `flash_attention.cu`: mma.sync, warps of `tiles` row tiles of 16.
     Mma { tiles: usize },
-    /// `flash_wgmma.cu` (compute capability 9.0, head dim 64): warp-group MMAs.
-    Wgmma,
+    /// `flash_wgmma.cu` (compute capability 9.0, head dim 64): warp-group MMAs, CTAs of
+    /// `groups` warp groups (1 or 2).
+    Wgmma { groups: usize },
 }
 
 /// The dense kernel for `head_dim` on `device`: the warp-group one where it exists (head dim
-/// 64 on compute capability 9.0) unless `MMSERVE_FLASH_WGMMA=0`, else mma.sync.
+/// 64 on compute capability 9.0) unless `MMSERVE_FLASH_WGMMA=0`, else mma.sync. Its CTAs
+/// hold two warp groups unless `MMSERVE_FLASH_WGMMA_GROUPS=1` (both are compiled, to be
+/// weighed against each other).
 fn dense_kernel(device: &Device, head_dim: usize) -> Kernel {
-    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let wanted = *WANTED.get_or_init(|| std::env::var("MMSERVE_FLASH_WGMMA").map_or(true, |v| v != "0"));
-    if head_dim == 64 && wanted && wgmma_available(device) { Kernel::Wgmma } else { Kernel::Mma { tiles: row_tiles() } }
+    static WANTED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| {
+        let on = std::env::var("MMSERVE_FLASH_WGMMA").map_or(true, |v| v != "0");
+        let groups = if std::env::var("MMSERVE_FLASH_WGMMA_GROUPS").is_ok_and(|v| v == "1") { 1 } else { 2 };
+        on.then_some(groups)
+    });
+    match wanted {
+        Some(groups) if head_dim == 64 && wgmma_available(device) => Kernel::Wgmma { groups },
+        _ => Kernel::Mma { tiles: row_tiles() },
+    }
 }
 
 /// Whether `device` runs sm_90a code (compute capability exactly 9.0).
@@ -114,25 +124,27 @@ fn wgmma_available(device: &Device) -> bool {
     false
 }
 
-/// Loads the warp-group kernel and its grid: a CTA (two warp groups) per 128 queries, per
-/// head and per batch row.
+/// Loads the warp-group kernel and its grid: a CTA (`groups` warp groups) per 64 · groups
+/// queries, per head and per batch row.
 #[cfg(feature = "cuda")]
 fn load_wgmma(
     dev: &candle_core::CudaDevice,
     g: &Geometry,
-    name: &str,
+    suffix: &str,
+    groups: usize,
 ) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_wgmma.ptx"));
-    const ROWS: usize = 128; // FW_BR
     const STAGES: usize = 2; // FW_STAGES
-    let func = dev.get_or_load_custom_func(name, "mmserve_flash_wgmma", PTX)?;
+    let rows = 64 * groups;
+    let name = if groups == 1 { format!("flash_wgmma1_{suffix}") } else { format!("flash_wgmma_{suffix}") };
+    let func = dev.get_or_load_custom_func(&name, "mmserve_flash_wgmma", PTX)?;
     // 1024 bytes to align the tiles, the queries, and the K/V ring: 128-byte rows.
-    let smem = 1024 + (ROWS + 2 * STAGES * 64) * 128;
+    let smem = 1024 + (rows + 2 * STAGES * 64) * 128;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     func.set_attribute(attr, smem as i32).w()?;
     let cfg = LaunchConfig {
-        grid_dim: (g.n_q.div_ceil(ROWS) as u32, g.heads as u32, g.batch as u32),
-        block_dim: (256, 1, 1),
+        grid_dim: (g.n_q.div_ceil(rows) as u32, g.heads as u32, g.batch as u32),
+        block_dim: (128 * groups as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     Ok((func.into_cuda_function(), cfg))
@@ -295,8 +307,8 @@ impl CustomOp1 for Packed {
         let out = by_half!(s.dtype(), |T, SUFFIX| {
             let (func, cfg) = match self.kernel {
                 Kernel::Mma { tiles } => load(&dev, &g, &format!("flash_dense_{SUFFIX}"), tiles)?,
-                Kernel::Wgmma if g.head_dim == 64 => load_wgmma(&dev, &g, &format!("flash_wgmma_{SUFFIX}"))?,
-                Kernel::Wgmma => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
+                Kernel::Wgmma { groups } if g.head_dim == 64 => load_wgmma(&dev, &g, SUFFIX, groups)?,
+                Kernel::Wgmma { .. } => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
             };
             let qkv = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let (k, v) = (qkv.slice(width..), qkv.slice(2 * width..));
@@ -485,7 +497,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             let want = run(&Device::Cpu, Kernel::Mma { tiles: 1 })?;
             let mut kernels = vec![Kernel::Mma { tiles: 1 }, Kernel::Mma { tiles: 2 }];
             if hd == 64 && wgmma_available(device) {
-                kernels.push(Kernel::Wgmma);
+                kernels.extend([Kernel::Wgmma { groups: 1 }, Kernel::Wgmma { groups: 2 }]);
             }
             for kernel in kernels {
                 if let Some(line) = judge(&run(device, kernel)?, &want, dtype) {
