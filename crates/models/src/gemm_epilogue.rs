@@ -102,6 +102,7 @@ fn gemm(
 mod cuda {
     use std::collections::HashMap;
     use std::ffi::c_void;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Mutex, MutexGuard, OnceLock};
 
     use candle_core::backend::BackendStorage;
@@ -130,6 +131,11 @@ mod cuda {
     /// Candidates timed, and launches timed of each (after one untimed).
     const TUNE_CANDIDATES: usize = 8;
     const TUNE_RUNS: usize = 3;
+    /// Shapes timed at most in a process: a server's prefill chunks come in many row counts,
+    /// and each timing stalls its step for a few dozen GEMMs; the encoders' batch shapes
+    /// (577 rows an image) come first and are few.
+    const TUNE_SHAPES: usize = 32;
+    static TUNED: AtomicUsize = AtomicUsize::new(0);
 
     /// The process's cuBLASLt handle, workspace and chosen algorithms (one GPU per process).
     struct Lt {
@@ -270,7 +276,7 @@ mod cuda {
         stream: &CudaStream,
         launch: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> candle_core::Result<()>,
     ) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
-        let tune = rows >= TUNE_ROWS && tuning();
+        let tune = rows >= TUNE_ROWS && tuning() && TUNED.fetch_add(1, Ordering::Relaxed) < TUNE_SHAPES;
         let algos = candidates(handle, descs, if tune { TUNE_CANDIDATES } else { 1 })?;
         if algos.len() == 1 {
             return Ok(algos[0]);
