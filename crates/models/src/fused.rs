@@ -410,12 +410,7 @@ pub(crate) fn activation_in_place(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        other => candle_core::bail!("{stem}: unsupported dtype {other:?}"),
-    };
+    let suffix = by_float!(dtype, "activation", |_T, SUFFIX| SUFFIX);
     let name = format!("{stem}{}_{suffix}", if vec { "_vec" } else { "" });
     let func = dev.get_or_load_custom_func(&name, "mmserve_fused", PTX)?;
     let n_arg = chunks as i64;
