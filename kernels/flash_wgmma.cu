@@ -6,7 +6,7 @@
 // n_k hidden; with past >= 0, query i sees keys <= past + i; `group` query heads a kv head.
 //
 // A CTA is GROUPS (1 or 2) warp groups of 128 threads, each owning 64 query rows. Q (loaded once)
-// and a ring of FW_STAGES K/V tiles of 64 keys live in shared memory in the layout the
+// and a ring of K/V tiles of 64 keys (FW_STAGES) live in shared memory in the layout the
 // tensor cores read through descriptors: 128-byte rows (64 16-bit values, one head), the
 // 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the 128-byte swizzle, which keeps
 // the 8 rows a core matrix reads in distinct banks), tiles 1024-byte aligned.
@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 #define FW_BC 64
-#define FW_STAGES 2
+#define FW_STAGES(pipe) ((pipe) ? 3 : 2)
 #define FW_TILE (FW_BC * 128)  // bytes of one K or V tile
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 128-byte rows.
@@ -96,18 +96,19 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
-template <typename T, int GROUPS>
+template <typename T, int GROUPS, bool PIPE>
 __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
                             const T* __restrict__ v, long kv_batch, long kv_row, T* __restrict__ out, long o_batch,
                             long o_row, int n_q, int n_k, int group, int past, float scale_log2) {
-  constexpr int FW_BR = 64 * GROUPS;  // query rows a CTA
+  constexpr int FW_BR = 64 * GROUPS;        // query rows a CTA
+  constexpr int STAGES = FW_STAGES(PIPE);  // K/V tiles in the ring
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The launch adds 1024 bytes so that the tiles can start on a 1024-byte boundary (the
   // swizzle's period: the descriptors' base offset is then 0).
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t qs = (raw + 1023) & ~1023u;        // [FW_BR][128 bytes]
-  const uint32_t ks = qs + FW_BR * 128;             // [FW_STAGES][FW_BC][128 bytes]
-  const uint32_t vs = ks + FW_STAGES * FW_TILE;     // [FW_STAGES][FW_BC][128 bytes]
+  const uint32_t ks = qs + FW_BR * 128;             // [STAGES][FW_BC][128 bytes]
+  const uint32_t vs = ks + STAGES * FW_TILE;        // [STAGES][FW_BC][128 bytes]
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -138,7 +139,7 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   const long src0 = b * kv_batch + (long)lr * kv_row + (long)kvh * 64 + lch * 8, src_step = ROW_STEP * kv_row;
   const uint32_t dst0 = swizzled(lr, lch);
   auto load = [&](int tile) {
-    const uint32_t stage = (tile % FW_STAGES) * FW_TILE;
+    const uint32_t stage = (tile % STAGES) * FW_TILE;
     const int j = tile * FW_BC + lr;
     const long off = src0 + (long)tile * FW_BC * kv_row;
 #pragma unroll
@@ -155,29 +156,45 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i] = s[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t p[4][4];  // the probabilities of one tile as the A fragments of P·V
 
-  // One tile of keys; MASKED: some of them are hidden. NARROW: only its first 16 keys are
-  // visible (the last tile of CLIP-L's 577 holds one): the scores are an n16 MMA and P·V
-  // one k16 step, an eighth and a quarter of the full tile's.
-  auto step = [&](int t, auto masked, auto narrow) {
-    constexpr bool NARROW = decltype(narrow)::value;
-    constexpr int NB = NARROW ? 2 : 8;  // 8-key column blocks computed
-    const uint32_t stage = (t % FW_STAGES) * FW_TILE, qg = qs + wg * 64 * 128;
-    // S = Q·Kᵀ.
-    wg_fence();
+  const uint32_t qg = qs + wg * 64 * 128;
+  // Issue S = Q·Kᵀ for tile t (NARROW: its first 16 keys, an n16 MMA); no wait.
+  auto scores = [&](int t, auto narrow) {
+    const uint32_t stage = (t % STAGES) * FW_TILE;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      if (NARROW)
+      if (decltype(narrow)::value)
         Wgmma<T>::ss16(s, descriptor(qg + kk * 32, 16), descriptor(ks + stage + kk * 32, 16), kk);
       else
         Wgmma<T>::ss(s, descriptor(qg + kk * 32, 16), descriptor(ks + stage + kk * 32, 16), kk);
     }
     wg_commit();
-    wg_wait<0>();
-    pin(s);
-
-    float alpha[2];
-    softmax_tile<decltype(masked)::value, NB>(s, m, l, alpha, t * FW_BC, n_k, past, row, t4, scale_log2);
+  };
+  // Issue O += P·V for tile t (NARROW: one k16 step, its first 16 keys); no wait.
+  auto values = [&](int t, auto narrow) {
+    const uint32_t stage = (t % STAGES) * FW_TILE;
+#pragma unroll
+    for (int kk = 0; kk < (decltype(narrow)::value ? 1 : 4); ++kk)
+      Wgmma<T>::rs(o, p[kk], descriptor(vs + stage + kk * 16 * 128, 1024));
+    wg_commit();
+  };
+  // The online softmax of the scores of tile t (complete in s), returning O's factor.
+  auto softmax = [&](int t, auto masked, auto narrow, float (&alpha)[2]) {
+    softmax_tile<decltype(masked)::value, decltype(narrow)::value ? 2 : 8>(s, m, l, alpha, t * FW_BC, n_k, past, row,
+                                                                          t4, scale_log2);
+  };
+  // Two adjacent 8-key column blocks of the probabilities make one 16-key A fragment.
+  auto pack = [&](auto narrow) {
+#pragma unroll
+    for (int kk = 0; kk < (decltype(narrow)::value ? 1 : 4); ++kk) {
+      p[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
+      p[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      p[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      p[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       o[4 * j] *= alpha[0];
@@ -185,39 +202,97 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
       o[4 * j + 2] *= alpha[1];
       o[4 * j + 3] *= alpha[1];
     }
-    // O += P·V: two adjacent 8-key column blocks of the scores make one 16-key A fragment.
-    uint32_t p[4][4];
-#pragma unroll
-    for (int kk = 0; kk < NB / 2; ++kk) {
-      p[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
-      p[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      p[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      p[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < NB / 2; ++kk) Wgmma<T>::rs(o, p[kk], descriptor(vs + stage + kk * 16 * 128, 1024));
-    wg_commit();
-    wg_wait<0>();
-    pin(o);
+  };
+  // Calls f(masked, narrow) with tile t's kind as compile-time bools: NARROW where at most
+  // its first 16 keys are visible (the last tile of CLIP-L's 577 holds one), MASKED where
+  // some key is hidden (past n_k, or causal).
+  auto by_kind = [&](int t, auto f) {
+    const int kbase = t * FW_BC;
+    if (kv_end - kbase <= 16)
+      f(Bool<true>(), Bool<true>());
+    else if (kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0))
+      f(Bool<true>(), Bool<false>());
+    else
+      f(Bool<false>(), Bool<false>());
+  };
+  // Tile t is in for everyone (and every group is done with the stage the next load reuses).
+  auto arrive = [&](int t) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes → the tensor cores
+    __syncthreads();
+    if (t + 1 < tiles) load(t + 1);
   };
 
   if (tiles > 0) load(0);  // with the queries: one group
-  for (int t = 0; t < tiles; ++t) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes → the tensor cores
-    // Tile t is in for everyone, and every group is done with tile t - 1, whose stage the
-    // next load reuses.
-    __syncthreads();
-    if (t + 1 < tiles) load(t + 1);
-    if (!active) continue;
-    const int kbase = t * FW_BC;
-    if (kv_end - kbase <= 16)
-      step(t, Bool<true>(), Bool<true>());
-    else if (kbase + FW_BC > n_k || (past >= 0 && kbase + FW_BC - 1 > past + q0))
-      step(t, Bool<true>(), Bool<false>());
-    else
-      step(t, Bool<false>(), Bool<false>());
+  if constexpr (!PIPE) {
+    // Serial: per tile, the scores, their softmax, then P·V.
+    for (int t = 0; t < tiles; ++t) {
+      arrive(t);
+      if (!active) continue;
+      by_kind(t, [&](auto masked, auto narrow) {
+        wg_fence();
+        scores(t, narrow);
+        wg_wait<0>();
+        pin(s);
+        float alpha[2];
+        softmax(t, masked, narrow, alpha);
+        rescale(alpha);
+        pack(narrow);
+        wg_fence();
+        values(t, narrow);
+        wg_wait<0>();
+        pin(o);
+      });
+    }
+  } else if (tiles > 0) {
+    // Pipelined within the warp group (FlashAttention-3's intra-warpgroup overlap): the
+    // scores of tile t are issued together with P·V of tile t − 1, and their softmax runs
+    // while the tensor cores do P·V. Hence three stages: tile t's K, tile t − 1's V, and
+    // the load of tile t + 1. Only the last tile can be narrow, so P·V in the loop is full.
+    arrive(0);
+    if (active)
+      by_kind(0, [&](auto masked, auto narrow) {
+        wg_fence();
+        scores(0, narrow);
+        wg_wait<0>();
+        pin(s);
+        float alpha[2];
+        softmax(0, masked, narrow, alpha);
+        pack(narrow);
+      });
+    for (int t = 1; t < tiles; ++t) {
+      arrive(t);
+      if (!active) continue;
+      by_kind(t, [&](auto masked, auto narrow) {
+        constexpr bool NARROW = decltype(narrow)::value;
+        wg_fence();
+        if constexpr (NARROW) {
+          // The n16 scores in flight beside P·V make ptxas serialize every wgmma of the
+          // kernel (C7511); the narrow tile is the last, so it waits for P·V instead.
+          values(t - 1, Bool<false>());
+          wg_wait<0>();
+          pin(o);
+          wg_fence();
+        }
+        scores(t, narrow);
+        if constexpr (!NARROW) values(t - 1, Bool<false>());
+        wg_wait<NARROW ? 0 : 1>();
+        pin(s);
+        float alpha[2];
+        softmax(t, masked, narrow, alpha);
+        wg_wait<0>();
+        pin(o);
+        rescale(alpha);
+        pack(narrow);
+      });
+    }
+    if (active)
+      by_kind(tiles - 1, [&](auto, auto narrow) {
+        wg_fence();
+        values(tiles - 1, narrow);
+        wg_wait<0>();
+        pin(o);
+      });
   }
   if (!active) return;
 
@@ -239,16 +314,21 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   }
 }
 
-// A CTA of two warp groups (128 query rows; two CTAs an SM), or of one (64; four).
-#define FLASH_WGMMA(name, suffix, T, GROUPS)                                                                      \
+// A CTA of two warp groups (128 query rows; two CTAs an SM), or of one (64; four, three
+// when pipelined); serial or pipelined (names with _pipe).
+#define FLASH_WGMMA(name, suffix, T, GROUPS, PIPE)                                                                \
   extern "C" __global__ void __launch_bounds__(GROUPS * 128, 4 / GROUPS)                                          \
       name##_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch, long kv_row,    \
                       T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past, float scale_log2) {  \
-    flash_wgmma<T, GROUPS>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past, \
-                           scale_log2);                                                                            \
+    flash_wgmma<T, GROUPS, PIPE>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group,  \
+                                 past, scale_log2);                                                                \
   }
 
-FLASH_WGMMA(flash_wgmma, bf16, __nv_bfloat16, 2)
-FLASH_WGMMA(flash_wgmma, f16, __half, 2)
-FLASH_WGMMA(flash_wgmma1, bf16, __nv_bfloat16, 1)
-FLASH_WGMMA(flash_wgmma1, f16, __half, 1)
+FLASH_WGMMA(flash_wgmma, bf16, __nv_bfloat16, 2, false)
+FLASH_WGMMA(flash_wgmma, f16, __half, 2, false)
+FLASH_WGMMA(flash_wgmma1, bf16, __nv_bfloat16, 1, false)
+FLASH_WGMMA(flash_wgmma1, f16, __half, 1, false)
+FLASH_WGMMA(flash_wgmma_pipe, bf16, __nv_bfloat16, 2, true)
+FLASH_WGMMA(flash_wgmma_pipe, f16, __half, 2, true)
+FLASH_WGMMA(flash_wgmma1_pipe, bf16, __nv_bfloat16, 1, true)
+FLASH_WGMMA(flash_wgmma1_pipe, f16, __half, 1, true)

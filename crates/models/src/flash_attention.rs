@@ -84,23 +84,24 @@ enum Kernel {
     /// `flash_attention.cu`: mma.sync, warps of `tiles` row tiles of 16.
     Mma { tiles: usize },
     /// `flash_wgmma.cu` (compute capability 9.0, head dim 64): warp-group MMAs, CTAs of
-    /// `groups` warp groups (1 or 2).
-    Wgmma { groups: usize },
+    /// `groups` warp groups (1 or 2); `pipe`: a tile's scores overlap the previous tile's P·V.
+    Wgmma { groups: usize, pipe: bool },
 }
 
 /// The dense kernel for `head_dim` on `device`: the warp-group one where it exists (head dim
 /// 64 on compute capability 9.0) unless `MMSERVE_FLASH_WGMMA=0`, else mma.sync. Its CTAs
-/// hold two warp groups unless `MMSERVE_FLASH_WGMMA_GROUPS=1` (both are compiled, to be
-/// weighed against each other).
+/// hold two warp groups unless `MMSERVE_FLASH_WGMMA_GROUPS=1` and are pipelined unless
+/// `MMSERVE_FLASH_WGMMA_PIPE=0` (all four are compiled, to be weighed against each other).
 fn dense_kernel(device: &Device, head_dim: usize) -> Kernel {
-    static WANTED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    static WANTED: std::sync::OnceLock<Option<(usize, bool)>> = std::sync::OnceLock::new();
     let wanted = *WANTED.get_or_init(|| {
         let on = std::env::var("MMSERVE_FLASH_WGMMA").map_or(true, |v| v != "0");
         let groups = if std::env::var("MMSERVE_FLASH_WGMMA_GROUPS").is_ok_and(|v| v == "1") { 1 } else { 2 };
-        on.then_some(groups)
+        let pipe = std::env::var("MMSERVE_FLASH_WGMMA_PIPE").map_or(true, |v| v != "0");
+        on.then_some((groups, pipe))
     });
     match wanted {
-        Some(groups) if head_dim == 64 && wgmma_available(device) => Kernel::Wgmma { groups },
+        Some((groups, pipe)) if head_dim == 64 && wgmma_available(device) => Kernel::Wgmma { groups, pipe },
         _ => Kernel::Mma { tiles: row_tiles() },
     }
 }
@@ -125,21 +126,22 @@ fn wgmma_available(device: &Device) -> bool {
 }
 
 /// Loads the warp-group kernel and its grid: a CTA (`groups` warp groups) per 64 · groups
-/// queries, per head and per batch row.
+/// queries, per head and per batch row; `pipe`: the pipelined one.
 #[cfg(feature = "cuda")]
 fn load_wgmma(
     dev: &candle_core::CudaDevice,
     g: &Geometry,
     suffix: &str,
     groups: usize,
+    pipe: bool,
 ) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_wgmma.ptx"));
-    const STAGES: usize = 2; // FW_STAGES
+    let stages = if pipe { 3 } else { 2 }; // FW_STAGES(pipe)
     let rows = 64 * groups;
-    let name = if groups == 1 { format!("flash_wgmma1_{suffix}") } else { format!("flash_wgmma_{suffix}") };
+    let name = format!("flash_wgmma{}{}_{suffix}", if groups == 1 { "1" } else { "" }, if pipe { "_pipe" } else { "" });
     let func = dev.get_or_load_custom_func(&name, "mmserve_flash_wgmma", PTX)?;
     // 1024 bytes to align the tiles, the queries, and the K/V ring: 128-byte rows.
-    let smem = 1024 + (rows + 2 * STAGES * 64) * 128;
+    let smem = 1024 + (rows + 2 * stages * 64) * 128;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     func.set_attribute(attr, smem as i32).w()?;
     let cfg = LaunchConfig {
@@ -307,7 +309,7 @@ impl CustomOp1 for Packed {
         let out = by_half!(s.dtype(), |T, SUFFIX| {
             let (func, cfg) = match self.kernel {
                 Kernel::Mma { tiles } => load(&dev, &g, &format!("flash_dense_{SUFFIX}"), tiles)?,
-                Kernel::Wgmma { groups } if g.head_dim == 64 => load_wgmma(&dev, &g, SUFFIX, groups)?,
+                Kernel::Wgmma { groups, pipe } if g.head_dim == 64 => load_wgmma(&dev, &g, SUFFIX, groups, pipe)?,
                 Kernel::Wgmma { .. } => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
             };
             let qkv = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
@@ -497,7 +499,9 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             let want = run(&Device::Cpu, Kernel::Mma { tiles: 1 })?;
             let mut kernels = vec![Kernel::Mma { tiles: 1 }, Kernel::Mma { tiles: 2 }];
             if hd == 64 && wgmma_available(device) {
-                kernels.extend([Kernel::Wgmma { groups: 1 }, Kernel::Wgmma { groups: 2 }]);
+                for groups in [1, 2] {
+                    kernels.extend([false, true].map(|pipe| Kernel::Wgmma { groups, pipe }));
+                }
             }
             for kernel in kernels {
                 if let Some(line) = judge(&run(device, kernel)?, &want, dtype) {
