@@ -215,6 +215,21 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
     else
       f(Bool<false>(), Bool<false>());
   };
+  // Tile t's scores, waited for, and their softmax (alpha: O's factor).
+  auto scored = [&](int t, auto masked, auto narrow, float (&alpha)[2]) {
+    wg_fence();
+    scores(t, narrow);
+    wg_wait<0>();
+    pin(s);
+    softmax(t, masked, narrow, alpha);
+  };
+  // P·V of tile t, waited for.
+  auto valued = [&](int t, auto narrow) {
+    wg_fence();
+    values(t, narrow);
+    wg_wait<0>();
+    pin(o);
+  };
   // Tile t is in for everyone (and every group is done with the stage the next load reuses).
   auto arrive = [&](int t) {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -230,18 +245,11 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
       arrive(t);
       if (!active) continue;
       by_kind(t, [&](auto masked, auto narrow) {
-        wg_fence();
-        scores(t, narrow);
-        wg_wait<0>();
-        pin(s);
         float alpha[2];
-        softmax(t, masked, narrow, alpha);
+        scored(t, masked, narrow, alpha);
         rescale(alpha);
         pack(narrow);
-        wg_fence();
-        values(t, narrow);
-        wg_wait<0>();
-        pin(o);
+        valued(t, narrow);
       });
     }
   } else if (tiles > 0) {
@@ -252,12 +260,8 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
     arrive(0);
     if (active)
       by_kind(0, [&](auto masked, auto narrow) {
-        wg_fence();
-        scores(0, narrow);
-        wg_wait<0>();
-        pin(s);
-        float alpha[2];
-        softmax(0, masked, narrow, alpha);
+        float alpha[2];  // O is still zero
+        scored(0, masked, narrow, alpha);
         pack(narrow);
       });
     for (int t = 1; t < tiles; ++t) {
@@ -286,13 +290,7 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
         pack(narrow);
       });
     }
-    if (active)
-      by_kind(tiles - 1, [&](auto, auto narrow) {
-        wg_fence();
-        values(tiles - 1, narrow);
-        wg_wait<0>();
-        pin(o);
-      });
+    if (active) by_kind(tiles - 1, [&](auto, auto narrow) { valued(tiles - 1, narrow); });
   }
   if (!active) return;
 

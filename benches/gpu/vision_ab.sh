@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the vision tower's GPU switches at 32 images (llava-1.5-7b shapes, dummy bf16),
 # each setting in its own process, on one machine: the chunked activation's L2 target,
-# cuBLASLt algorithm timing, the flash kernel's warp-group count. Same build as run.sh.
+# cuBLASLt algorithm timing, the flash kernel's warp-group count and pipelining. Same build as run.sh.
 set -uo pipefail
 bin=.gpu/bin/mmserve
 vision() {
