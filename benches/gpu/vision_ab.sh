@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of the vision tower's GPU switches at 32 images (llava-1.5-7b shapes, dummy bf16),
-# each setting in its own process, on one machine: the chunked activation's L2 target,
+# each setting in its own process, on one machine:
 # cuBLASLt algorithm timing, the flash kernel's warp-group count and pipelining. Same build as run.sh.
 set -uo pipefail
 bin=.gpu/bin/mmserve
@@ -11,9 +11,7 @@ vision() {
 }
 vision MMSERVE_X=baseline
 vision MMSERVE_GEMM_TUNE=0
-for mb in 0 16 36; do vision MMSERVE_MLP_CHUNK_MB=$mb; done
 vision MMSERVE_FLASH_WGMMA_GROUPS=1
 vision MMSERVE_FLASH_WGMMA_PIPE=0
 vision MMSERVE_FLASH_WGMMA_PIPE=0 MMSERVE_FLASH_WGMMA_GROUPS=1
-vision MMSERVE_MLP_CHUNK_MB=0 MMSERVE_GEMM_TUNE=0
 vision MMSERVE_X=baseline-again

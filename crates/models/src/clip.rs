@@ -50,9 +50,14 @@ impl EncoderLayer {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        // Both residual adds ride in the GEMM before them on the GPU (`Linear::forward_residual`).
-        let x = self.self_attn.forward(&self.layer_norm1.forward(x)?, None, Some(x))?;
-        let h = self.fc1.forward_act(&self.layer_norm2.forward(&x)?, self.act)?;
+        if std::env::var("MMSERVE_AB_OUTPROJ_RESIDUAL").is_ok_and(|v| v == "1") {
+            let x = self.self_attn.forward(&self.layer_norm1.forward(x)?, None, Some(x))?;
+            let h = self.fc1.forward_act(&self.layer_norm2.forward(&x)?, self.act)?;
+            return self.fc2.forward_residual(&h, &x);
+        }
+        let a = self.self_attn.forward(&self.layer_norm1.forward(x)?, None, None)?;
+        let (x, normed) = self.layer_norm2.add_forward(x, &a)?;
+        let h = self.fc1.forward_act(&normed, self.act)?;
         self.fc2.forward_residual(&h, &x)
     }
 }

@@ -392,8 +392,8 @@ impl CustomOp1 for Act {
 }
 
 /// The activation `stem` (`quick_gelu`, `gelu_erf`) in place over the `n` elements of
-/// `dtype` at device address `at`, on `dev`'s stream (the chunked GEMM of
-/// `gemm_epilogue::linear_act` runs it on each chunk it has just written).
+/// `dtype` at device address `at`, on `dev`'s stream (`gemm_epilogue::linear_act` runs it
+/// over the output its GEMM has just written).
 #[cfg(feature = "cuda")]
 pub(crate) fn activation_in_place(
     dev: &candle_core::CudaDevice,

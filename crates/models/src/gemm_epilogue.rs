@@ -30,35 +30,18 @@ pub(crate) fn linear(
 }
 
 /// `act(x·Wᵀ + b)` where `act` is one of `kernels/fused.cu`'s activations by its name stem
-/// (`quick_gelu`, `gelu_erf`), when the GEMM applies as for [`linear`]: the rows go in
-/// chunks whose output fits in L2 (`MMSERVE_MLP_CHUNK_MB`, 24 by default; 0: one chunk),
-/// each followed by the activation in place, which then reads and writes L2 rather than
-/// HBM (at CLIP-L's batch of 32 the separate pass moved 300 MB a layer).
+/// (`quick_gelu`, `gelu_erf`), when the GEMM applies as for [`linear`]: the GEMM, then the
+/// activation in place over its output (no second buffer). Running the GEMM in L2-sized
+/// row chunks, each activated while still in L2, was measured slower at every chunk size
+/// (CLIP-L at 32 images on the H100: 25.3-26.2 ms against 24.6): the chunks' partial last
+/// waves cost more than the HBM round trip saved.
 pub(crate) fn linear_act(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     act: &'static str,
 ) -> candle_core::Result<Option<Tensor>> {
-    gemm(x, w, bias, None, Some((act, chunk_bytes())))
-}
-
-/// Bytes of output a chunk of [`linear_act`] aims at.
-fn chunk_bytes() -> usize {
-    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| std::env::var("MMSERVE_MLP_CHUNK_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(24) << 20)
-}
-
-/// Rows a chunk of `m` rows of `row_bytes` each: even chunks of at most `target` bytes,
-/// rounded up to 128 rows (a GEMM tile's height, which keeps every chunk's operands
-/// 256-byte aligned); all `m` when `target` is 0.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn chunk_rows(m: usize, row_bytes: usize, target: usize) -> usize {
-    if target == 0 || m * row_bytes <= target {
-        return m;
-    }
-    let chunks = (m * row_bytes).div_ceil(target);
-    m.div_ceil(chunks).next_multiple_of(128).min(m)
+    gemm(x, w, bias, None, Some(act))
 }
 
 fn gemm(
@@ -66,7 +49,7 @@ fn gemm(
     w: &Tensor,
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
-    act: Option<(&'static str, usize)>,
+    act: Option<&'static str>,
 ) -> candle_core::Result<Option<Tensor>> {
     let (m, _) = x.dims2()?;
     let applies = x.device().is_cuda()
@@ -86,9 +69,7 @@ fn gemm(
         if ![Some(&x), Some(&w), bias, residual.as_ref()].into_iter().flatten().all(aligned) {
             return Ok(None);
         }
-        let row_bytes = w.dim(0)? * w.dtype().size_in_bytes();
-        let chunk = act.map_or(m, |(_, target)| chunk_rows(m, row_bytes, target));
-        let op = cuda::Epilogue { bias, residual: residual.as_ref(), act: act.map(|a| a.0), chunk };
+        let op = cuda::Epilogue { bias, residual: residual.as_ref(), act };
         Ok(Some(x.apply_op2_no_bwd(&w, &op)?))
     }
     #[cfg(not(feature = "cuda"))]
@@ -112,12 +93,11 @@ mod cuda {
     use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
     /// The op over (x, w); the bias and the residual come with it, and the activation run
-    /// in place after each chunk of `chunk` rows.
+    /// in place after the GEMM.
     pub(super) struct Epilogue<'a> {
         pub(super) bias: Option<&'a Tensor>,
         pub(super) residual: Option<&'a Tensor>,
         pub(super) act: Option<&'static str>,
-        pub(super) chunk: usize,
     }
 
     /// cuBLASLt's workspace on Hopper (NVIDIA's recommendation).
@@ -389,55 +369,48 @@ mod cuda {
                     let handle = *handle;
                     let (alpha, beta) = (1f32, if rp.is_some() { 1f32 } else { 0f32 });
                     let (ws, _rws) = workspace.device_ptr(&stream);
-                    let size = std::mem::size_of::<$t>() as u64;
-                    let chunk = self.chunk.clamp(1, m);
-                    for first in (0..m).step_by(chunk) {
-                        let rows = chunk.min(m - first);
-                        let descs = describe(dtype, rows, n, k, bp.as_ref().map(|b| b.0))?;
-                        let (xc, dc) = (xp + (first * k) as u64 * size, op + (first * n) as u64 * size);
-                        let cc = rp.as_ref().map_or(dc, |r| r.0 + (first * n) as u64 * size);
-                        let [la, lb, lc] = descs.layouts;
-                        let launch = |algo: &sys::cublasLtMatmulAlgo_t| {
-                            // SAFETY: A, B, C and D point at live device buffers of the shapes
-                            // the layouts describe (checked above; a chunk's rows lie inside x,
-                            // the residual and D); D is fresh, C is the residual or D itself
-                            // with β = 0 (so a repeated launch writes the same D); all on this
-                            // device's stream, which the call joins.
-                            unsafe {
-                                result::matmul(
-                                    handle,
-                                    descs.desc,
-                                    &alpha as *const f32 as *const c_void,
-                                    &beta as *const f32 as *const c_void,
-                                    wp as *const c_void,
-                                    la,
-                                    xc as *const c_void,
-                                    lb,
-                                    cc as *const c_void,
-                                    lc,
-                                    dc as *mut c_void,
-                                    lc,
-                                    algo,
-                                    ws as *mut c_void,
-                                    WORKSPACE,
-                                    stream.cu_stream() as sys::cudaStream_t,
-                                )
-                            }
-                            .map_err(candle_core::Error::wrap)
-                        };
-                        let key = (rows, n, k, dtype, bias.is_some(), residual.is_some());
-                        let algo = match algos.get(&key) {
-                            Some(algo) => *algo,
-                            None => {
-                                let algo = choose(handle, &descs, rows, &stream, &launch)?;
-                                algos.insert(key, algo);
-                                algo
-                            }
-                        };
-                        launch(&algo)?;
-                        if let Some(act) = self.act {
-                            crate::fused::activation_in_place(&dev, act, dc, rows * n, dtype)?;
+                    let descs = describe(dtype, m, n, k, bp.as_ref().map(|b| b.0))?;
+                    let cc = rp.as_ref().map_or(op, |r| r.0);
+                    let [la, lb, lc] = descs.layouts;
+                    let launch = |algo: &sys::cublasLtMatmulAlgo_t| {
+                        // SAFETY: A, B, C and D point at live device buffers of the shapes
+                        // the layouts describe (checked above); D is fresh, C is the residual
+                        // or D itself with β = 0 (so a repeated launch writes the same D); all
+                        // on this device's stream, which the call joins.
+                        unsafe {
+                            result::matmul(
+                                handle,
+                                descs.desc,
+                                &alpha as *const f32 as *const c_void,
+                                &beta as *const f32 as *const c_void,
+                                wp as *const c_void,
+                                la,
+                                xp as *const c_void,
+                                lb,
+                                cc as *const c_void,
+                                lc,
+                                op as *mut c_void,
+                                lc,
+                                algo,
+                                ws as *mut c_void,
+                                WORKSPACE,
+                                stream.cu_stream() as sys::cudaStream_t,
+                            )
                         }
+                        .map_err(candle_core::Error::wrap)
+                    };
+                    let key = (m, n, k, dtype, bias.is_some(), residual.is_some());
+                    let algo = match algos.get(&key) {
+                        Some(algo) => *algo,
+                        None => {
+                            let algo = choose(handle, &descs, m, &stream, &launch)?;
+                            algos.insert(key, algo);
+                            algo
+                        }
+                    };
+                    launch(&algo)?;
+                    if let Some(act) = self.act {
+                        crate::fused::activation_in_place(&dev, act, op, m * n, dtype)?;
                     }
                     drop((_rx, _rw, _ro, bp, rp, _rws));
                     candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
@@ -480,8 +453,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                     linear(&xd, &wd, Some(&bd), Some(&rd))?,
                     (base.broadcast_add(&f(&b)?)? + f(&r)?)?,
                 ),
-                // In chunks of 128 rows (where there are more), each activated in place.
-                ("bias and quick_gelu in chunks", gemm(&xd, &wd, Some(&bd), None, Some(("quick_gelu", 64 << 10)))?, {
+                ("bias and quick_gelu", linear_act(&xd, &wd, Some(&bd), "quick_gelu")?, {
                     let y = base.broadcast_add(&f(&b)?)?;
                     (&y * candle_nn::ops::sigmoid(&(&y * 1.702)?)?)?
                 }),
@@ -509,24 +481,4 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
         }
     }
     Ok(bad)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::chunk_rows;
-
-    #[test]
-    fn chunks_are_even_tile_multiples_that_cover_the_rows() {
-        // CLIP-L/336's fc1 at 32 images: 18464 rows of 8 KiB into about 24 MiB each.
-        let rows = chunk_rows(18464, 8192, 24 << 20);
-        assert_eq!(rows % 128, 0);
-        assert!(rows * 8192 <= (24 << 20) + 128 * 8192, "{rows}");
-        assert_eq!(18464usize.div_ceil(rows), 7);
-        // Small outputs, and a target of 0, take one chunk.
-        assert_eq!(chunk_rows(577, 8192, 24 << 20), 577);
-        assert_eq!(chunk_rows(18464, 8192, 0), 18464);
-        // Never more than all the rows.
-        assert_eq!(chunk_rows(130, 1 << 20, 1), 128);
-        assert_eq!(chunk_rows(100, 1 << 20, 1), 100);
-    }
 }

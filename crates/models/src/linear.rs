@@ -55,9 +55,9 @@ impl Linear {
         crate::decoder_fused::silu_mul(&self.forward(x)?)
     }
 
-    /// `act(x·Wᵀ + b)`: on the GPU in 16-bit, where `act` has a fused kernel, the GEMM in
-    /// row chunks each followed by the activation in place (`gemm_epilogue::linear_act`);
-    /// elsewhere the layer, then the activation.
+    /// `act(x·Wᵀ + b)`: on the GPU in 16-bit, where `act` has a fused kernel, the GEMM
+    /// with the bias in its epilogue, then the activation in place
+    /// (`gemm_epilogue::linear_act`); elsewhere the layer, then the activation.
     pub fn forward_act(&self, x: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
         let (w, dims) = (self.inner.weight(), x.dims());
         if x.device().is_cuda()
