@@ -108,8 +108,7 @@ mod cuda {
     /// heuristic's first pick ran CLIP-L's output projection at half the matmul peak and a
     /// few milliseconds of timing, once per shape, are repaid within a few batches.
     const TUNE_ROWS: usize = 4096;
-    /// Candidates timed, and launches timed of each (after one untimed).
-    const TUNE_CANDIDATES: usize = 8;
+    /// Launches timed of each candidate (after one untimed).
     const TUNE_RUNS: usize = 3;
     /// Shapes timed at most in a process: a server's prefill chunks come in many row counts,
     /// and each timing stalls its step for a few dozen GEMMs; the encoders' batch shapes
@@ -247,7 +246,7 @@ mod cuda {
     }
 
     /// The algorithm for a new shape: the heuristic's first, or from `TUNE_ROWS` rows the
-    /// fastest of its first `TUNE_CANDIDATES`, each timed on the call's own operands (the
+    /// fastest of its first `tune_candidates()`, each timed on the call's own operands (the
     /// outputs are rewritten by the real launch after).
     fn choose(
         handle: sys::cublasLtHandle_t,
@@ -256,8 +255,9 @@ mod cuda {
         stream: &CudaStream,
         launch: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> candle_core::Result<()>,
     ) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
-        let tune = rows >= TUNE_ROWS && tuning() && TUNED.fetch_add(1, Ordering::Relaxed) < TUNE_SHAPES;
-        let algos = candidates(handle, descs, if tune { TUNE_CANDIDATES } else { 1 })?;
+        let count = tune_candidates();
+        let tune = rows >= TUNE_ROWS && count > 1 && TUNED.fetch_add(1, Ordering::Relaxed) < TUNE_SHAPES;
+        let algos = candidates(handle, descs, if tune { count } else { 1 })?;
         if algos.len() == 1 {
             return Ok(algos[0]);
         }
@@ -281,10 +281,11 @@ mod cuda {
         Ok(best.1)
     }
 
-    /// `MMSERVE_GEMM_TUNE=0` keeps the heuristic's first algorithm for every shape.
-    fn tuning() -> bool {
-        static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| std::env::var("MMSERVE_GEMM_TUNE").map_or(true, |v| v != "0"))
+    /// Candidates timed per shape: `MMSERVE_GEMM_TUNE` (8 by default; 0 or 1 keeps the
+    /// heuristic's first algorithm for every shape).
+    fn tune_candidates() -> usize {
+        static COUNT: OnceLock<usize> = OnceLock::new();
+        *COUNT.get_or_init(|| std::env::var("MMSERVE_GEMM_TUNE").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
     }
 
     impl CustomOp2 for Epilogue<'_> {
