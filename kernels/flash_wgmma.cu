@@ -21,6 +21,7 @@
 
 #include "float.cuh"
 #include "flash_common.cuh"
+#include "wgmma.cuh"
 #include <stdint.h>
 
 #define FW_BC 64
@@ -29,14 +30,6 @@
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 128-byte rows.
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
-
-// A shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes apart (the
-// stride byte offset). The leading byte offset only matters where an operand spans more
-// than one swizzle atom along its leading dimension, which none here does.
-__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t lbo) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         (1ull << 62);
-}
 
 #define D32                                                                                                          \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%" \
@@ -79,17 +72,6 @@ template <typename T> struct Wgmma;
   };
 WGMMA(__nv_bfloat16, "bf16")
 WGMMA(__half, "f16")
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving reads or writes of accumulators across a wait.
-template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
 
 // 16 bytes global → shared (a shared-window address), or 16 zero bytes when !valid.
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool valid) {

@@ -18,6 +18,7 @@
 // split_heads, quick_gelu: the encoder layer's head split of a stacked q/k/v GEMM (with the
 //   keys padded to a multiple of 8), and CLIP's activation in one pass instead of three.
 
+#include "activations.cuh"
 #include "float.cuh"
 
 #define SOFTMAX_WARPS 8
@@ -100,21 +101,6 @@ __device__ void activation(const T* __restrict__ x, T* __restrict__ out, long ch
     c.store(out + i * C::V);
   }
 }
-
-// quick_gelu: x · sigmoid(1.702 x), each op rounded as transformers' bf16 ops round.
-struct QuickGelu {
-  template <typename T> __device__ static float apply(float v) {
-    const float a = r<T>(1.702f * v);
-    return v * r<T>(1.f / (1.f + expf(-a)));
-  }
-};
-
-// gelu_erf: x · Φ(x) = 0.5 x (1 + erf(x / √2)) in f32, rounded once (torch's gelu in bf16).
-struct GeluErf {
-  template <typename T> __device__ static float apply(float v) {
-    return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
-  }
-};
 
 #define FUSED(suffix, T)                                                                                       \
   extern "C" __global__ void scaled_softmax_##suffix(const T* x, T* out, long rows, int cols, float scale,  \

@@ -36,6 +36,7 @@ fn main() {
         compile(name, &format!("compute_{cap}"));
     }
     // Hopper's warp-group MMA exists only in the architecture-specific target (sm_90a); the
-    // runtime loads this module on compute capability 9.0 devices alone.
+    // runtime loads these modules on compute capability 9.0 devices alone.
     compile("flash_wgmma", "compute_90a");
+    compile("gemm_wgmma", "compute_90a");
 }

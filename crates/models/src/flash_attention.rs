@@ -101,13 +101,14 @@ fn dense_kernel(device: &Device, head_dim: usize) -> Kernel {
         on.then_some((groups, pipe))
     });
     match wanted {
-        Some((groups, pipe)) if head_dim == 64 && wgmma_available(device) => Kernel::Wgmma { groups, pipe },
+        Some((groups, pipe)) if head_dim == 64 && is_sm90(device) => Kernel::Wgmma { groups, pipe },
         _ => Kernel::Mma { tiles: row_tiles() },
     }
 }
 
-/// Whether `device` runs sm_90a code (compute capability exactly 9.0).
-fn wgmma_available(device: &Device) -> bool {
+/// Whether `device` runs sm_90a code (compute capability exactly 9.0): the warp-group
+/// kernels (this one's and `gemm_wgmma.rs`'s) load there alone.
+pub(crate) fn is_sm90(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -498,7 +499,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             };
             let want = run(&Device::Cpu, Kernel::Mma { tiles: 1 })?;
             let mut kernels = vec![Kernel::Mma { tiles: 1 }, Kernel::Mma { tiles: 2 }];
-            if hd == 64 && wgmma_available(device) {
+            if hd == 64 && is_sm90(device) {
                 for groups in [1, 2] {
                     kernels.extend([false, true].map(|pipe| Kernel::Wgmma { groups, pipe }));
                 }

@@ -19,6 +19,7 @@ mod error;
 mod flash_attention;
 mod fused;
 mod gemm_epilogue;
+mod gemm_wgmma;
 mod kv_write;
 mod layer_norm;
 mod linear;

@@ -1,0 +1,146 @@
+//! `act(x·Wᵀ + b)` in one kernel of ours on Hopper (`kernels/gemm_wgmma.cu`: TMA, warp-group
+//! MMAs, a producer warp group and two consumers in ping-pong), for the encoders' linear
+//! layers that an activation follows: CLIP's fc1 and quick_gelu above all, which cuBLASLt
+//! cannot fuse (it has no quick_gelu epilogue), so that the activation's pass over the
+//! `[M, N]` output is saved.
+//!
+//! It rounds as [`crate::gemm_epilogue`]'s GEMM-then-pass does (the biased sum to the
+//! dtype once, then the same activation code), and takes the shapes it covers
+//! ([`covers`]); `gemm_epilogue::linear_act` calls it first and its self-test checks it.
+//! `MMSERVE_GEMM_WGMMA=1` turns it on, to weigh one path against the other; it stays off
+//! by default until a benchmark on the GPU shows it ahead.
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::launch;
+
+/// Fewest rows for which the persistent kernel is taken: it fills the GPU with 128×128
+/// output tiles, two a CTA at a time, and below a few waves of them cuBLASLt's choice of
+/// tile wins.
+#[cfg(feature = "cuda")]
+const MIN_ROWS: usize = 2048;
+
+/// Set while the self-test runs: the kernel is taken whatever the environment says.
+#[cfg(feature = "cuda")]
+pub(crate) static FORCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the kernel covers x [m, k] · w [n, k]ᵀ on `device`: compute capability 9.0
+/// (sm_90a code), K a multiple of 64, N of 128, enough rows, and switched on.
+#[cfg(feature = "cuda")]
+pub(crate) fn covers(device: &candle_core::Device, m: usize, n: usize, k: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("MMSERVE_GEMM_WGMMA").is_ok_and(|v| v == "1"));
+    (on || FORCED.load(std::sync::atomic::Ordering::Relaxed))
+        && m >= MIN_ROWS
+        && n.is_multiple_of(128)
+        && k.is_multiple_of(64)
+        && crate::flash_attention::is_sm90(device)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::DType;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg, sys};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemm_wgmma.ptx"));
+    /// The kernel's ring (GW_STAGES stages of a 128×64 x block and a 128×64 W block), its
+    /// barriers, and 1024 bytes to align the ring to the swizzle's period.
+    const SHARED: usize = 1024 + 6 * 2 * 128 * 64 * 2 + 2 * 6 * 8;
+
+    /// A TMA descriptor, passed by value as a `__grid_constant__` kernel parameter.
+    #[repr(transparent)]
+    struct TensorMap(sys::CUtensorMap);
+    // SAFETY: a plain-old-data struct of the driver's, laid out (and aligned) as the
+    // kernel's `CUtensorMap` parameter.
+    unsafe impl DeviceRepr for TensorMap {}
+
+    /// The descriptor of a row-major [rows, cols] matrix of 16-bit values at `at`, read in
+    /// boxes of 128 rows × 64 columns (128 bytes, the 128-byte swizzle the kernel's
+    /// descriptors name); rows past the end read as zeros.
+    fn tensor_map(at: u64, rows: usize, cols: usize, dtype: DType) -> candle_core::Result<TensorMap> {
+        let data = match dtype {
+            DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            other => candle_core::bail!("gemm_wgmma: unsupported dtype {other:?}"),
+        };
+        let dims = [cols as u64, rows as u64];
+        let strides = [(cols * 2) as u64];
+        let boxes = [64u32, 128];
+        let steps = [1u32, 1];
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        // SAFETY: the arrays hold rank (2) entries, rank - 1 for the strides; the driver only
+        // encodes the descriptor (it reads no device memory), writing `map`.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                data,
+                2,
+                at as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            .result()
+            .w()?;
+            Ok(TensorMap(map.assume_init()))
+        }
+    }
+
+    /// `out [m, n] = act(x [m, k] · w [n, k]ᵀ + bias [n])` on `dev`'s stream, where `act` is
+    /// `quick_gelu`, `gelu_erf` or none (the bias alone), at device addresses.
+    ///
+    /// # Safety
+    /// `x`, `w`, `bias` (if non-zero) and `out` must be live, 16-byte aligned device buffers
+    /// of `dtype` holding [m, k], [n, k], [n] and [m, n] values, in use by nothing else on
+    /// another stream, and [`super::covers`] must hold for the shape.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch(
+        dev: &candle_core::CudaDevice,
+        act: Option<&str>,
+        dtype: DType,
+        (x, w, bias, out): (u64, u64, u64, u64),
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> candle_core::Result<()> {
+        let (map_x, map_w) = (tensor_map(x, m, k, dtype)?, tensor_map(w, n, k, dtype)?);
+        let suffix = match dtype {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => candle_core::bail!("gemm_wgmma: unsupported dtype {other:?}"),
+        };
+        let stem = match act {
+            None => "bias",
+            Some(a @ ("quick_gelu" | "gelu_erf")) => a,
+            Some(other) => candle_core::bail!("gemm_wgmma: no epilogue for {other}"),
+        };
+        let func = dev.get_or_load_custom_func(&format!("gemm_{stem}_{suffix}"), "mmserve_gemm_wgmma", PTX)?;
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        func.set_attribute(attr, SHARED as i32).w()?;
+        static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let sms = *SMS.get_or_init(|| {
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+            dev.cuda_stream().context().attribute(attr).map_or(132, |n| n as usize)
+        });
+        let tiles = m.div_ceil(128) * (n / 128);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.min(sms) as u32, 1, 1),
+            block_dim: (384, 1, 1),
+            shared_mem_bytes: SHARED as u32,
+        };
+        let (m, n, k) = (m as i32, n as i32, k as i32);
+        let func = func.into_cuda_function();
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&map_x).arg(&map_w).arg(&bias).arg(&out).arg(&m).arg(&n).arg(&k);
+        // SAFETY: the caller's contract: the maps describe x and w, the kernel reads them
+        // and the bias and writes the [m, n] rows of out, all of whose tiles it covers.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
