@@ -315,8 +315,24 @@ fn gemm_probe(
         let bias = time(&|| candle_core::Module::forward(&layer, &x))?;
         let both = time(&|| layer.forward_residual(&x, &r))?;
         let flops = 2.0 * (m * n * k) as f64;
-        rows.push(json!({"gemm": name, "m": m, "n": n, "k": k, "plain_us": plain, "bias_us": bias,
-                         "bias_residual_us": both, "plain_tflops": flops / plain / 1e6}));
+        let mut row = json!({"gemm": name, "m": m, "n": n, "k": k, "plain_us": plain, "bias_us": bias,
+                             "bias_residual_us": both, "plain_tflops": flops / plain / 1e6});
+        if name == "fc1" {
+            // The bias and an activation: cuBLASLt then the in-place pass, against our
+            // warp-specialised GEMM with both in its epilogue (Hopper only; elsewhere the
+            // two columns time the same path). gelu_erf's longer epilogue shows how much of
+            // the kernel's time its epilogue holds.
+            use mmserve_models::Activation;
+            for (act, key) in [(Activation::QuickGelu, "quick_gelu"), (Activation::Gelu, "gelu_erf")] {
+                for (ours, prefix) in [(false, "lt_"), (true, "ours_")] {
+                    let before = mmserve_models::set_gemm_wgmma(Some(ours));
+                    let t = time(&|| layer.forward_act(&x, act));
+                    mmserve_models::set_gemm_wgmma(before);
+                    row[format!("{prefix}bias_{key}_us")] = json!(t?);
+                }
+            }
+        }
+        rows.push(row);
     }
     Ok(rows)
 }

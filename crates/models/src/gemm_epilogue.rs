@@ -455,14 +455,13 @@ mod cuda {
 /// While alive (the self-test), the GEMMs' outputs start poisoned (NaN) and
 /// `gemm_wgmma.rs`'s kernel takes the shapes it covers.
 #[cfg(feature = "cuda")]
-struct Poisoned;
+struct Poisoned(Option<bool>);
 
 #[cfg(feature = "cuda")]
 impl Poisoned {
     fn new() -> Self {
         cuda::POISON.store(true, std::sync::atomic::Ordering::Relaxed);
-        crate::gemm_wgmma::FORCED.store(true, std::sync::atomic::Ordering::Relaxed);
-        Poisoned
+        Poisoned(crate::gemm_wgmma::set_enabled(Some(true)))
     }
 }
 
@@ -470,7 +469,7 @@ impl Poisoned {
 impl Drop for Poisoned {
     fn drop(&mut self) {
         cuda::POISON.store(false, std::sync::atomic::Ordering::Relaxed);
-        crate::gemm_wgmma::FORCED.store(false, std::sync::atomic::Ordering::Relaxed);
+        crate::gemm_wgmma::set_enabled(self.0);
     }
 }
 

@@ -19,17 +19,41 @@ pub(crate) use cuda::launch;
 #[cfg(feature = "cuda")]
 const MIN_ROWS: usize = 2048;
 
-/// Set while the self-test runs: the kernel is taken whatever the environment says.
-#[cfg(feature = "cuda")]
-pub(crate) static FORCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// 0: as `MMSERVE_GEMM_WGMMA` says; 1: on; 2: off ([`set_enabled`]).
+static SWITCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Whether the kernel covers x [m, k] · w [n, k]ᵀ on `device`: compute capability 9.0
-/// (sm_90a code), K a multiple of 64, N of 128, enough rows, and switched on.
+/// Turns the kernel on or off for the process (`None`: back to the environment's word),
+/// returning the previous setting; the self-test and the GEMM probe of `mmserve bench
+/// model` use it.
+pub fn set_enabled(on: Option<bool>) -> Option<bool> {
+    let v = match on {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    match SWITCH.swap(v, std::sync::atomic::Ordering::Relaxed) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// Whether the kernel is switched on: [`set_enabled`], else `MMSERVE_GEMM_WGMMA=1`.
+#[cfg(feature = "cuda")]
+fn enabled() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match SWITCH.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => *ENV.get_or_init(|| std::env::var("MMSERVE_GEMM_WGMMA").is_ok_and(|v| v == "1")),
+    }
+}
+
+/// Whether the kernel covers x [m, k] · w [n, k]ᵀ on `device` and is switched on: compute
+/// capability 9.0 (sm_90a code), K a multiple of 64, N of 128, enough rows.
 #[cfg(feature = "cuda")]
 pub(crate) fn covers(device: &candle_core::Device, m: usize, n: usize, k: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("MMSERVE_GEMM_WGMMA").is_ok_and(|v| v == "1"));
-    (on || FORCED.load(std::sync::atomic::Ordering::Relaxed))
+    enabled()
         && m >= MIN_ROWS
         && n.is_multiple_of(128)
         && k.is_multiple_of(64)

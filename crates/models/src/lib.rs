@@ -47,6 +47,7 @@ pub use flash_attention::{
 };
 pub use fused::self_test as fused_self_test;
 pub use gemm_epilogue::self_test as gemm_epilogue_self_test;
+pub use gemm_wgmma::set_enabled as set_gemm_wgmma;
 pub use kv_write::self_test as kv_write_self_test;
 pub use layer_norm::self_test as layer_norm_self_test;
 pub use linear::Linear;
