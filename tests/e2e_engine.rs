@@ -78,9 +78,9 @@ async fn a_prefix_cache_hit_gives_the_same_tokens() {
 
 #[tokio::test]
 async fn preemption_completes_every_request_with_the_same_tokens() {
-    // 64 output tokens: each request fits the pool alone, and any two whose decodes
-    // overlap do not, so preemption does not hang on the eight arriving within a few
-    // milliseconds of each other (with 24 a loaded CI machine let them run one by one).
+    // 64 output tokens: each request fits the pool alone and any two whose decodes overlap
+    // do not, so preemption does not depend on the eight arriving within milliseconds of
+    // each other (with 24, a loaded machine once ran them one by one).
     let reqs: Vec<Value> = (0..8).map(|i| text_request(i, 64)).collect();
     let server = Server::start(&["--no-prefix-cache"]);
     let want = alone(&server, &reqs).await;

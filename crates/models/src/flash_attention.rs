@@ -101,29 +101,9 @@ fn dense_kernel(device: &Device, head_dim: usize) -> Kernel {
         on.then_some((groups, pipe))
     });
     match wanted {
-        Some((groups, pipe)) if head_dim == 64 && is_sm90(device) => Kernel::Wgmma { groups, pipe },
+        Some((groups, pipe)) if head_dim == 64 && crate::device_caps::is_sm90(device) => Kernel::Wgmma { groups, pipe },
         _ => Kernel::Mma { tiles: row_tiles() },
     }
-}
-
-/// Whether `device` runs sm_90a code (compute capability exactly 9.0): the warp-group
-/// kernels (this one's and `gemm_wgmma.rs`'s) load there alone.
-pub(crate) fn is_sm90(device: &Device) -> bool {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(dev) = device {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        return *ON.get_or_init(|| {
-            let ctx = dev.cuda_stream().context().clone();
-            let attr = |a| ctx.attribute(a).ok();
-            let (major, minor) = (
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
-            );
-            (major, minor) == (Some(9), Some(0))
-        });
-    }
-    let _ = device;
-    false
 }
 
 /// Loads the warp-group kernel and its grid: a CTA (`groups` warp groups) per 64 · groups
@@ -499,7 +479,7 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             };
             let want = run(&Device::Cpu, Kernel::Mma { tiles: 1 })?;
             let mut kernels = vec![Kernel::Mma { tiles: 1 }, Kernel::Mma { tiles: 2 }];
-            if hd == 64 && is_sm90(device) {
+            if hd == 64 && crate::device_caps::is_sm90(device) {
                 for groups in [1, 2] {
                     kernels.extend([false, true].map(|pipe| Kernel::Wgmma { groups, pipe }));
                 }

@@ -53,11 +53,7 @@ fn enabled() -> bool {
 /// capability 9.0 (sm_90a code), K a multiple of 64, N of 128, enough rows.
 #[cfg(feature = "cuda")]
 pub(crate) fn covers(device: &candle_core::Device, m: usize, n: usize, k: usize) -> bool {
-    enabled()
-        && m >= MIN_ROWS
-        && n.is_multiple_of(128)
-        && k.is_multiple_of(64)
-        && crate::flash_attention::is_sm90(device)
+    enabled() && m >= MIN_ROWS && n.is_multiple_of(128) && k.is_multiple_of(64) && crate::device_caps::is_sm90(device)
 }
 
 #[cfg(feature = "cuda")]
@@ -81,12 +77,7 @@ mod cuda {
     /// The descriptor of a row-major [rows, cols] matrix of 16-bit values at `at`, read in
     /// boxes of 128 rows × 64 columns (128 bytes, the 128-byte swizzle the kernel's
     /// descriptors name); rows past the end read as zeros.
-    fn tensor_map(at: u64, rows: usize, cols: usize, dtype: DType) -> candle_core::Result<TensorMap> {
-        let data = match dtype {
-            DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            other => candle_core::bail!("gemm_wgmma: unsupported dtype {other:?}"),
-        };
+    fn tensor_map(at: u64, rows: usize, cols: usize, data: sys::CUtensorMapDataType) -> candle_core::Result<TensorMap> {
         let dims = [cols as u64, rows as u64];
         let strides = [(cols * 2) as u64];
         let boxes = [64u32, 128];
@@ -132,12 +123,12 @@ mod cuda {
         n: usize,
         k: usize,
     ) -> candle_core::Result<()> {
-        let (map_x, map_w) = (tensor_map(x, m, k, dtype)?, tensor_map(w, n, k, dtype)?);
-        let suffix = match dtype {
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
+        let (suffix, data) = match dtype {
+            DType::BF16 => ("bf16", sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+            DType::F16 => ("f16", sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
             other => candle_core::bail!("gemm_wgmma: unsupported dtype {other:?}"),
         };
+        let (map_x, map_w) = (tensor_map(x, m, k, data)?, tensor_map(w, n, k, data)?);
         let stem = match act {
             None => "bias",
             Some(a @ ("quick_gelu" | "gelu_erf")) => a,
@@ -146,11 +137,7 @@ mod cuda {
         let func = dev.get_or_load_custom_func(&format!("gemm_{stem}_{suffix}"), "mmserve_gemm_wgmma", PTX)?;
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         func.set_attribute(attr, SHARED as i32).w()?;
-        static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let sms = *SMS.get_or_init(|| {
-            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-            dev.cuda_stream().context().attribute(attr).map_or(132, |n| n as usize)
-        });
+        let sms = crate::device_caps::sm_count(dev);
         let tiles = m.div_ceil(128) * (n / 128);
         let cfg = LaunchConfig {
             grid_dim: (tiles.min(sms) as u32, 1, 1),

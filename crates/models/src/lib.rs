@@ -12,6 +12,7 @@ mod activation;
 mod arena_rows;
 mod clip;
 mod decoder_fused;
+mod device_caps;
 mod dispatch;
 mod elem;
 mod encoder_attention;

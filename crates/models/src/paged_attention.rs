@@ -20,7 +20,7 @@ use candle_core::backend::BackendStorage;
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::WrapErr;
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, sys};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// The block tables of a step of decodes, as the kernel reads them: u32
 /// `[seqs, 1 + width]`, each row the sequence's length (the keys to attend over: its new
@@ -277,12 +277,7 @@ impl CustomOp3 for PagedDecode<'_> {
         // The lengths and block ids were checked on the host (`DecodeTables::new`, `dims`).
 
         // Enough CTAs to fill the GPU: split the positions when heads × seqs alone are few.
-        // Asked once: every layer of every step launches this.
-        static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let sms = *SMS.get_or_init(|| {
-            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-            dev.cuda_stream().context().attribute(attr).map_or(132, |n| n as usize)
-        });
+        let sms = crate::device_caps::sm_count(&dev);
         let ctas = d.heads * d.seqs;
         let max_len = self.tables.max_len.max(1);
         let is16 = matches!(q.dtype(), DType::BF16 | DType::F16);
