@@ -3,12 +3,15 @@
 # the GPU, mmserve's model benchmark of llava-1.5-7b's shapes (dummy bf16 weights), and
 # transformers' figures for the same model in the same call. Build first, here:
 #   ../shared/gpu/build-cuda.sh build --bin mmserve --features cuda
-# then run with the .gpu folder carried:  bash benches/gpu/run.sh
+# then run with the .gpu folder carried:  bash benches/gpu/run.sh [models|e2e]
+# (no argument: both parts; a device call has 10 minutes, so one part a call).
 set -uo pipefail
+part=${1:-all}
 OUT=${OUT:-/tmp/mmserve-gpu}
 mkdir -p "$OUT"
 bin=.gpu/bin/mmserve
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "$part" != e2e ]; then
 echo "== fixture parity on the GPU (f32, then bf16)"
 timeout 120 $bin bench model --model assets/models/llava-tiny --device cuda --dtype float32 --parity \
   --batches 1,8 --prompt 32 --output 8 --prefill 256 --images 1,4 --repeats 3
@@ -35,6 +38,8 @@ MMSERVE_GEMM_TUNE=0 timeout 120 $bin bench model --model assets/models/llava-1.5
   --load-format dummy --device cuda --dtype bfloat16 --batches 0 --prefill 0 --images 32 2>&1 | grep -E "vision"
 echo "== transformers, same model, same machine"
 timeout 420 python3 benches/gpu/hf_llava_baseline.py
+fi
+[ "$part" = models ] && exit 0
 echo "== end to end through mmserve serve, llava-1.5-7b shapes (dummy bf16, stand-in tokenizer)"
 python3 benches/gpu/stand_in_model.py /tmp/llava-1.5-7b-stand-in >/dev/null
 timeout 560 $bin bench engine --model /tmp/llava-1.5-7b-stand-in --clients 1,64 --rounds 1 \
