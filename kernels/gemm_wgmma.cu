@@ -35,17 +35,6 @@
 #define GW_A_BYTES (GW_BM * GW_BK * 2)
 #define GW_STAGE_BYTES ((GW_BM + GW_BN) * GW_BK * 2)
 
-// quick_gelu as activations.cuh's QuickGelu rounds it, with the exponential and the
-// reciprocal on the special-function unit alone (ex2.approx, rcp.approx: a few f32 ulps,
-// far below T's rounding): the accurate forms' instruction count made the epilogue outlast
-// the other group's main loop.
-struct QuickGeluFast {
-  template <typename T> __device__ static float apply(float v) {
-    const float a = r<T>(1.702f * v);
-    return v * r<T>(__fdividef(1.f, 1.f + __expf(-a)));
-  }
-};
-
 // The identity: the bias alone.
 struct NoAct {
   template <typename T> __device__ static float apply(float v) { return v; }
@@ -219,7 +208,7 @@ __device__ __forceinline__ void gemm_wgmma(const CUtensorMap* map_x, const CUten
 
 GEMM_WGMMA(gemm_bias, bf16, __nv_bfloat16, NoAct)
 GEMM_WGMMA(gemm_bias, f16, __half, NoAct)
-GEMM_WGMMA(gemm_quick_gelu, bf16, __nv_bfloat16, QuickGeluFast)
-GEMM_WGMMA(gemm_quick_gelu, f16, __half, QuickGeluFast)
+GEMM_WGMMA(gemm_quick_gelu, bf16, __nv_bfloat16, QuickGelu)
+GEMM_WGMMA(gemm_quick_gelu, f16, __half, QuickGelu)
 GEMM_WGMMA(gemm_gelu_erf, bf16, __nv_bfloat16, GeluErf)
 GEMM_WGMMA(gemm_gelu_erf, f16, __half, GeluErf)

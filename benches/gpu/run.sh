@@ -30,8 +30,8 @@ MMSERVE_FLASH=0 timeout 200 $bin bench model --model assets/models/llava-1.5-7b-
 echo "== the vision tower with the mma.sync flash kernel instead of the warp-group one"
 MMSERVE_FLASH_WGMMA=0 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
   --device cuda --dtype bfloat16 --batches 0 --prefill 0 --images 1,32 2>&1 | grep -E "vision"
-echo "== the vision tower with our GEMM for fc1 + quick_gelu and the projector (gemm_wgmma.cu)"
-MMSERVE_GEMM_WGMMA=1 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
+echo "== the vision tower with cuBLASLt and the pass for fc1 + quick_gelu and the projector (gemm_wgmma.cu off)"
+MMSERVE_GEMM_WGMMA=0 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
   --device cuda --dtype bfloat16 --batches 0 --prefill 0 --images 32 2>&1 | grep -E "vision"
 echo "== the vision tower with cuBLASLt's first algorithms (no timing of candidates)"
 MMSERVE_GEMM_TUNE=0 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf \
