@@ -8,8 +8,8 @@
 //! dtype once, then the same activation code), and takes the shapes it covers
 //! ([`covers`]); `gemm_epilogue::linear_act` calls it first and its self-test checks it.
 //! On by default where it is compiled for (compute capability 9.0): CLIP-L's tower at 32
-//! images measured 23.5-24.0 ms against 24.0-24.5 for cuBLASLt and the pass on an H100
-//! and the same within noise on the H200 (2026-12-06). `MMSERVE_GEMM_WGMMA=0` turns it
+//! images measured 23.5-24.0 ms against 24.0-24.5 for cuBLASLt and the pass on an H100,
+//! 23.6-23.7 against 23.9-24.9 on the H200 (2026-12-06). `MMSERVE_GEMM_WGMMA=0` turns it
 //! off, to weigh one path against the other.
 
 #[cfg(feature = "cuda")]
