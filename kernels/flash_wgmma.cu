@@ -31,15 +31,6 @@
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 128-byte rows.
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-#define D32                                                                                                          \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%" \
-  "30,%31}"
-#define D32_OPS(d)                                                                                                  \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-
 // d (+)= a·b for a 64×64 tile over 16 of K: both operands from shared memory, K-major.
 // d (+)= a·b with a from registers (mma.sync's A fragment of the warp's 16 rows) and b
 // MN-major in shared memory.
@@ -48,8 +39,8 @@ template <typename T> struct Wgmma;
   template <> struct Wgmma<T> {                                                                                    \
     static __device__ __forceinline__ void ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {           \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
-                   : D32_OPS(d)                                                                                  \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " WG_ACC32 ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                   : WG_ACC32_OPS(d)                                                                                  \
                    : "l"(a), "l"(b), "r"(accumulate));                                                           \
     }                                                                                                              \
     /* The same for 16 keys (n16): the first 8 accumulators, laid out as the first two  \
@@ -64,9 +55,9 @@ template <typename T> struct Wgmma;
     }                                                                                                              \
     static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {               \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                    \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " D32                           \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " WG_ACC32                       \
                    ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                                    \
-                   : D32_OPS(d)                                                                                  \
+                   : WG_ACC32_OPS(d)                                                                                  \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                                        \
     }                                                                                                              \
   };

@@ -78,23 +78,14 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
-#define D64                                                                                                          \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%" \
-  "30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%" \
-  "58,%59,%60,%61,%62,%63}"
-#define OPS8(d, i)                                                                                                  \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),      \
-      "+f"(d[i + 7])
-#define D64_OPS(d) OPS8(d, 0), OPS8(d, 8), OPS8(d, 16), OPS8(d, 24), OPS8(d, 32), OPS8(d, 40), OPS8(d, 48), OPS8(d, 56)
-
 // d (+)= a·b for a 64×128 tile over 16 of K, both operands K-major in shared memory.
 template <typename T> struct Wgmma128;
 #define WGMMA128(T, NAME)                                                                                         \
   template <> struct Wgmma128<T> {                                                                                \
     static __device__ __forceinline__ void ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {          \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                 \
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." NAME "." NAME " " D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
-                   : D64_OPS(d)                                                                                 \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." NAME "." NAME " " WG_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                   : WG_ACC64_OPS(d)                                                                                 \
                    : "l"(a), "l"(b), "r"(accumulate));                                                          \
     }                                                                                                             \
   };
