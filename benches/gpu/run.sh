@@ -7,6 +7,7 @@
 # (no argument: both parts; a device call has 10 minutes, so one part a call).
 set -uo pipefail
 part=${1:-all}
+case "$part" in all | models | e2e) ;; *) echo "usage: $0 [models|e2e]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/mmserve-gpu}
 mkdir -p "$OUT"
 bin=.gpu/bin/mmserve
