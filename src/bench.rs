@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use mmserve_protocol::cache::Allocation;
-use mmserve_protocol::reconnect::CacheConnection;
+use mmserve_protocol::reconnect::{CacheConnection, Lease};
 use mmserve_protocol::{AllocItem, EmbedCacheClient, ItemDigest, Modality, deadline, transport};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -83,11 +83,26 @@ enum Link {
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What an alloc holds: the connection's references, or (as the api holds them) a
+/// lease, given back by dropping it.
+enum Grant {
+    Direct(Vec<u64>),
+    Leased(Lease),
+}
+
 impl Link {
-    async fn alloc(&self, items: Vec<AllocItem>) -> Option<Allocation> {
+    async fn alloc(&self, items: Vec<AllocItem>) -> Option<(Allocation, Grant)> {
         match self {
-            Link::Direct(c) => c.alloc(deadline(CALL_TIMEOUT), items, 1000).await.ok()?.ok(),
-            Link::Coalesced(c) => c.alloc(items, Duration::from_secs(1), CALL_TIMEOUT).await.ok()?.ok(),
+            Link::Direct(c) => {
+                let a = c.alloc(deadline(CALL_TIMEOUT), 0, items, 1000).await.ok()?.ok()?;
+                let ids = a.records.iter().map(|r| r.id).collect();
+                Some((a, Grant::Direct(ids)))
+            }
+            Link::Coalesced(c) => {
+                let mut lease = c.lease();
+                let a = c.alloc(&mut lease, items, Duration::from_secs(1), CALL_TIMEOUT).await.ok()?.ok()?;
+                Some((a, Grant::Leased(lease)))
+            }
         }
     }
 
@@ -101,14 +116,13 @@ impl Link {
         };
     }
 
-    async fn release(&self, ids: Vec<u64>) {
-        let _ = match self {
-            Link::Direct(c) => c.release(deadline(CALL_TIMEOUT), ids).await.map(drop),
-            Link::Coalesced(c) => {
-                let _ = c.release(ids).await;
-                Ok(())
-            }
-        };
+    async fn release(&self, grant: Grant) {
+        match (self, grant) {
+            (Link::Direct(c), Grant::Direct(ids)) => drop(c.release(deadline(CALL_TIMEOUT), ids).await),
+            // Queued behind whatever this connection sent before, as the api's requests do.
+            (_, Grant::Leased(lease)) => drop(lease),
+            (Link::Coalesced(_), Grant::Direct(_)) => unreachable!("a coalesced link leases"),
+        }
     }
 }
 
@@ -257,10 +271,9 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
     let warm = connect().await?;
     for chunk in hot.chunks(32) {
         let items: Vec<AllocItem> = chunk.iter().map(|d| item(*d, b.tokens)).collect();
-        let a = warm.alloc(items).await.context("warming the hot set")?;
-        let ids: Vec<u64> = a.records.iter().map(|r| r.id).collect();
-        warm.set_items_data(ids.clone()).await;
-        warm.release(ids).await;
+        let (a, grant) = warm.alloc(items).await.context("warming the hot set")?;
+        warm.set_items_data(a.records.iter().map(|r| r.id).collect()).await;
+        warm.release(grant).await;
     }
     let fresh = Arc::new(AtomicU64::new(0));
     if !b.json {
@@ -314,7 +327,7 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
                             let t0 = Instant::now();
                             let r = client.alloc(items).await;
                             let us = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
-                            let Some(a) = r else {
+                            let Some((a, grant)) = r else {
                                 out.failures += 1;
                                 continue;
                             };
@@ -324,8 +337,7 @@ async fn cache(b: CacheBench) -> anyhow::Result<()> {
                             if !writers.is_empty() {
                                 client.set_items_data(writers).await;
                             }
-                            let ids = a.records.iter().map(|r| r.id).collect();
-                            client.release(ids).await;
+                            client.release(grant).await;
                         }
                         out
                     })

@@ -1,4 +1,4 @@
-//! `mmserve cache stats | ls | evict DIGEST | clear`: the embed cache's admin RPC from
+//! `mmserve cache stats | ls [--stuck] | evict DIGEST | clear | drop DIGEST`: the embed cache's admin RPC from
 //! the command line. Tables for people, `--json` for scripts.
 
 use std::time::Duration;
@@ -25,11 +25,23 @@ pub enum Op {
     /// Counters and capacity.
     Stats,
     /// Every item, most recently used first.
-    Ls,
+    Ls {
+        /// Only stuck items: referenced, but their bytes never came (the uploading
+        /// request vanished or missed the data timeout).
+        #[arg(long)]
+        stuck: bool,
+    },
     /// Evict the item with this digest (refused while it is in use).
     Evict { digest: ItemKey },
     /// Evict every item not in use.
     Clear,
+    /// Drop a stuck item and the references that pin it (`--force`: any item; whatever
+    /// still reads it may see its slots reused).
+    Drop {
+        digest: ItemKey,
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -59,8 +71,9 @@ pub async fn run(cli: CacheCli) -> anyhow::Result<()> {
                 print_stats(&s);
             }
         }
-        Op::Ls => {
-            let items = client.list(ctx(), token).await.map_err(unreachable)?.map_err(admin_error)?;
+        Op::Ls { stuck } => {
+            let mut items = client.list(ctx(), token).await.map_err(unreachable)?.map_err(admin_error)?;
+            items.retain(|i| i.stuck || !stuck);
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&items)?);
             } else {
@@ -81,6 +94,14 @@ pub async fn run(cli: CacheCli) -> anyhow::Result<()> {
                 println!("{}", serde_json::json!({"evicted": n}));
             } else {
                 println!("evicted {n} unreferenced item{}", if n == 1 { "" } else { "s" });
+            }
+        }
+        Op::Drop { digest, force } => {
+            let n = client.drop_item(ctx(), token, digest, force).await.map_err(unreachable)?.map_err(admin_error)?;
+            if cli.json {
+                println!("{}", serde_json::json!({"dropped": n}));
+            } else {
+                println!("dropped {n} item{} with digest {digest}", if n == 1 { "" } else { "s" });
             }
         }
     }
@@ -108,6 +129,7 @@ fn print_stats(s: &CacheStats) {
         ("evictions", s.evictions.to_string()),
         ("raw bytes", format!("{} of {}", s.data_bytes, s.data_bytes_total)),
         ("waiting requests", s.waiting.to_string()),
+        ("cancelled leases", s.cancelled_leases.to_string()),
     ];
     for (k, v) in rows {
         println!("{k:<20} {v}");
@@ -137,7 +159,12 @@ fn print_items(items: &[ItemInfo]) {
             i.slots,
             i.references,
             i.data_bytes,
-            if i.embed_ready { "yes" } else { "no" },
+            match (i.embed_ready, i.stuck, i.data_ready) {
+                (true, _, _) => "yes",
+                (false, true, _) => "STUCK",
+                (false, false, true) => "no",
+                (false, false, false) => "nodata",
+            },
             human_ms(i.idle_ms),
             human_ms(i.age_ms)
         );

@@ -148,6 +148,8 @@ async fn start_all(
         cap.embed_cache_items.to_string(),
         "--embed-cache-request-share".into(),
         cap.embed_cache_request_share.to_string(),
+        "--embed-cache-data-timeout-s".into(),
+        cap.embed_cache_data_timeout_s.to_string(),
         "--admin-addr".into(),
         args.admin.admin_addr.clone(),
     ];

@@ -239,7 +239,7 @@ async fn cache_limits_reach_the_client_as_400_and_503_with_a_shared_cache() {
         data_len: 1,
     };
     let t = std::time::Duration::from_secs(5);
-    let held = holder.alloc(mmserve_protocol::deadline(t), vec![filler], 0).await.unwrap().unwrap();
+    let held = holder.alloc(mmserve_protocol::deadline(t), 0, vec![filler], 0).await.unwrap().unwrap();
     let (status, err) = server.chat(&image_request(&a, false)).await;
     assert_eq!(status, 503, "{err}");
     assert!(err["error"]["message"].as_str().unwrap().contains("full"), "{err}");

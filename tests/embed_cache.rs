@@ -20,7 +20,7 @@ fn item(n: u32, tokens: u32) -> AllocItem {
 const T: Duration = Duration::from_secs(20);
 
 async fn alloc(c: &EmbedCacheClient, items: Vec<AllocItem>, wait_ms: u64) -> Result<Vec<u64>, CacheError> {
-    let a = c.alloc(deadline(T), items, wait_ms).await.unwrap()?;
+    let a = c.alloc(deadline(T), 0, items, wait_ms).await.unwrap()?;
     let writers: Vec<u64> = a.records.iter().filter(|r| r.write_data).map(|r| r.id).collect();
     c.set_items_data(deadline(T), writers).await.unwrap().unwrap();
     Ok(a.records.iter().map(|r| r.id).collect())
@@ -109,7 +109,7 @@ async fn waiting_is_first_come_first_served_and_holds_nothing() {
     // nothing afterwards, even once the room it waited for frees up.
     let held = alloc(&a, vec![item(6, 90)], 0).await.unwrap();
     let short = deadline(Duration::from_millis(200));
-    assert!(b.alloc(short, vec![item(7, 80)], 10_000).await.is_err(), "the call's deadline passes");
+    assert!(b.alloc(short, 0, vec![item(7, 80)], 10_000).await.is_err(), "the call's deadline passes");
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(a.stats(deadline(T)).await.unwrap().waiting, 0, "the cancelled waiter left the line");
     release(&a, held).await;
@@ -174,6 +174,7 @@ async fn colliding_md5_inputs_get_their_own_embeddings() {
         let a = c
             .alloc(
                 deadline(T),
+                0,
                 vec![AllocItem { digest: d, modality: Modality::Image, token_num: 2, data_len: 128 }],
                 0,
             )
@@ -297,7 +298,8 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     let mut cache = CacheProc::start(&socket, &first, 100, 100, None);
     let conn = mmserve_protocol::reconnect::CacheConnection::connect(&socket, Duration::from_secs(5)).await.unwrap();
     let a1 = conn.call(|c| async move { c.arena(deadline(T)).await }).await.unwrap();
-    let held = conn.call(|c| async move { c.alloc(deadline(T), vec![item(1, 10)], 0).await }).await.unwrap().unwrap();
+    let held =
+        conn.call(|c| async move { c.alloc(deadline(T), 0, vec![item(1, 10)], 0).await }).await.unwrap().unwrap();
     assert_eq!(held.instance, a1.instance);
 
     cache.kill(); // SIGKILL: nothing is cleaned up
@@ -314,7 +316,9 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     assert_ne!(a1.instance, a2.instance);
     let stats = conn.call(|c| async move { c.stats(deadline(T)).await }).await.unwrap();
     assert_eq!((stats.items, stats.references), (0, 0), "a new instance starts empty");
-    let again = conn.alloc(vec![item(1, 10)], Duration::ZERO, T).await.expect("coalesced calls reconnect too");
+    let mut lease = conn.lease();
+    let again =
+        conn.alloc(&mut lease, vec![item(1, 10)], Duration::ZERO, T).await.expect("coalesced calls reconnect too");
     assert_eq!(again.unwrap().instance, a2.instance);
     drop(conn);
     cache.stop();
@@ -334,10 +338,10 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
     // Decided in order: two fit, the third would wait, and the fourth (which would fit)
     // must not overtake it.
     let r = run(vec![
-        CacheOp::Alloc(vec![item(1, 30)]),
-        CacheOp::Alloc(vec![item(2, 30)]),
-        CacheOp::Alloc(vec![item(3, 30), item(4, 30)]),
-        CacheOp::Alloc(vec![item(5, 5)]),
+        CacheOp::Alloc { lease: 0, items: vec![item(1, 30)] },
+        CacheOp::Alloc { lease: 0, items: vec![item(2, 30)] },
+        CacheOp::Alloc { lease: 0, items: vec![item(3, 30), item(4, 30)] },
+        CacheOp::Alloc { lease: 0, items: vec![item(5, 5)] },
     ])
     .await;
     let ids: Vec<u64> = r[..2]
@@ -358,13 +362,16 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
     while a.stats(deadline(T)).await.unwrap().waiting == 0 {
         tokio::task::yield_now().await;
     }
-    assert!(matches!(run(vec![CacheOp::Alloc(vec![item(7, 5)])]).await[0], CacheOpResult::MustWait));
+    assert!(matches!(
+        run(vec![CacheOp::Alloc { lease: 0, items: vec![item(7, 5)] }]).await[0],
+        CacheOpResult::MustWait
+    ));
     // Errors are per operation; a release hands the room to the line first.
     let r = run(vec![
         CacheOp::Release(vec![u64::MAX]),
         CacheOp::SetData(ids.clone()),
         CacheOp::Release(ids),
-        CacheOp::Alloc(vec![item(8, 101)]),
+        CacheOp::Alloc { lease: 0, items: vec![item(8, 101)] },
     ])
     .await;
     assert!(matches!(r[0], CacheOpResult::Failed(CacheError::UnknownItem(_))), "{:?}", r[0]);
@@ -382,14 +389,17 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
         async move {
             for round in 0..20u32 {
                 let items = vec![item(100 + (i * 7 + round) % 40, 1), item(1000 + i * 100 + round, 1)];
-                let a = conn.alloc(items, Duration::from_secs(10), T).await.unwrap().unwrap();
+                let mut lease = conn.lease();
+                let a = conn.alloc(&mut lease, items, Duration::from_secs(10), T).await.unwrap().unwrap();
                 let writers: Vec<u64> = a.records.iter().filter(|r| r.write_data).map(|r| r.id).collect();
                 conn.set_items_data(writers).await.unwrap().unwrap();
-                conn.release(a.records.iter().map(|r| r.id).collect()).await.unwrap().unwrap();
+                drop(lease);
             }
         }
     });
     futures::future::join_all(tasks).await;
+    // Lease releases are queued, in order, before this call.
+    conn.set_items_data(Vec::new()).await.unwrap().unwrap();
     let stats = a.stats(deadline(T)).await.unwrap();
     assert_eq!((stats.references, stats.waiting), (0, 0));
     drop((a, b, conn));
@@ -402,4 +412,64 @@ fn embedding_rows(view: &mmserve_embed_cache::ArenaView) -> mmserve_models::Aren
     let dtype = mmserve_models::parse_dtype(r.dtype.name()).unwrap();
     // SAFETY: the caller drops the rows before the view.
     unsafe { mmserve_models::ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, &candle_core::Device::Cpu).unwrap() }
+}
+
+/// The defect an adversarial run found: a request whose client vanished while its alloc
+/// waited in line, just as the cache granted it, left its references held for good
+/// (the grant's reply found nobody). Under a lease, the grant is given back whoever
+/// sees it.
+#[tokio::test]
+async fn a_grant_whose_request_vanished_is_given_back() {
+    let dir = temp_dir("vanish");
+    let socket = dir.join("c.sock");
+    let cache = CacheProc::start(&socket, &format!("mmserve-test-vanish-{}", std::process::id()), 10, 100, None);
+    let blocker = cache.client().await;
+    let conn = std::sync::Arc::new(mmserve_protocol::reconnect::CacheConnection::connect(&socket, T).await.unwrap());
+    for round in 0..100u32 {
+        // The cache is full: the request's alloc must wait in line.
+        let held = alloc(&blocker, vec![item(1_000_000 + round, 10)], 0).await.unwrap();
+        let request = tokio::spawn({
+            let conn = conn.clone();
+            async move {
+                let mut lease = conn.lease();
+                conn.alloc(&mut lease, vec![item(round, 10)], Duration::from_secs(10), T).await
+            }
+        });
+        while blocker.stats(deadline(T)).await.unwrap().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+        // Room comes: the cache grants the waiting alloc as this release returns ...
+        release(&blocker, held).await;
+        // ... and the client is gone before the grant reaches it (or, some rounds, not).
+        request.abort();
+        let _ = request.await;
+        conn.set_items_data(Vec::new()).await.unwrap().unwrap(); // the lease's release came first
+    }
+    let stats = blocker.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.references, stats.waiting), (0, 0), "every grant was given back");
+    drop((blocker, conn));
+    cache.stop();
+}
+
+/// A lease released before its alloc is decided (the release overtook the alloc, or the
+/// alloc still waits to be read): the alloc is refused when it comes, and forgotten.
+#[tokio::test]
+async fn an_alloc_overtaken_by_its_leases_release_is_refused() {
+    let dir = temp_dir("overtaken");
+    let socket = dir.join("c.sock");
+    let cache = CacheProc::start(&socket, &format!("mmserve-test-overtaken-{}", std::process::id()), 100, 100, None);
+    let c = cache.client().await;
+    assert_eq!(c.release_lease(deadline(T), 7, 60_000).await.unwrap(), 0);
+    assert_eq!(c.stats(deadline(T)).await.unwrap().cancelled_leases, 1);
+    let r = c.alloc(deadline(T), 7, vec![item(1, 10)], 0).await.unwrap();
+    assert!(matches!(r, Err(CacheError::Cancelled)), "{r:?}");
+    let stats = c.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.references, stats.cancelled_leases), (0, 0));
+    // Another lease of the same connection is unaffected, and is released whole.
+    let a = c.alloc(deadline(T), 8, vec![item(1, 10), item(2, 10)], 0).await.unwrap().unwrap();
+    assert_eq!(a.records.len(), 2);
+    assert_eq!(c.release_lease(deadline(T), 8, 60_000).await.unwrap(), 2);
+    assert_eq!(c.stats(deadline(T)).await.unwrap().cancelled_leases, 0, "a lease that held something leaves no mark");
+    drop(c);
+    cache.stop();
 }

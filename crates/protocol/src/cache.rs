@@ -228,6 +228,8 @@ pub struct CacheStats {
     pub data_bytes_total: u64,
     /// `alloc` calls waiting for capacity.
     pub waiting: u64,
+    /// Leases released before their alloc arrived, remembered so it is refused.
+    pub cancelled_leases: u64,
 }
 
 #[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
@@ -252,14 +254,24 @@ pub enum CacheError {
     Abandoned(u64),
     #[error("timed out after {0} ms waiting for item data")]
     Timeout(u64),
+    #[error("the request's reservation was cancelled")]
+    Cancelled,
 }
 
 /// One operation of an [`EmbedCache::batch`] call.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum CacheOp {
     /// As [`EmbedCache::alloc`] without waiting: granted now, refused, or [`CacheOpResult::MustWait`].
-    Alloc(Vec<AllocItem>),
+    Alloc {
+        lease: u64,
+        items: Vec<AllocItem>,
+    },
     Release(Vec<u64>),
+    /// As [`EmbedCache::release_lease`].
+    ReleaseLease {
+        lease: u64,
+        linger_ms: u64,
+    },
     SetData(Vec<u64>),
 }
 
@@ -267,6 +279,8 @@ pub enum CacheOp {
 pub enum CacheOpResult {
     Allocated(Allocation),
     Done,
+    /// A lease's release: how many references it dropped.
+    Released(u64),
     Failed(CacheError),
     /// The alloc would have to wait in line: call [`EmbedCache::alloc`] with a wait.
     MustWait,
@@ -277,10 +291,16 @@ pub trait EmbedCache {
     /// All-or-nothing: a record (new or existing) and one reference for every item, or
     /// an error and nothing held. When the items would fit once others are released, the
     /// call waits in line (first come, first served, holding nothing) up to `wait_ms`.
-    /// References belong to the calling connection and are released if it closes.
-    async fn alloc(items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError>;
-    /// Drops one reference per id (ids may repeat) held by this connection.
+    /// References belong to `lease` of the calling connection (0: the connection
+    /// itself) and are released with the lease, or when the connection closes.
+    async fn alloc(lease: u64, items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError>;
+    /// Drops one reference per id (ids may repeat) held by this connection (lease 0).
     async fn release(ids: Vec<u64>) -> Result<(), CacheError>;
+    /// Drops everything `lease` holds and takes it out of the line. If the lease holds
+    /// nothing yet (this call overtook its alloc), an alloc under it arriving within
+    /// `linger_ms` is refused, so a grant never outlives the request that asked.
+    /// Returns how many references it dropped.
+    async fn release_lease(lease: u64, linger_ms: u64) -> u64;
     /// Several requests' operations in one call, decided in order under one lock pass
     /// (an api process coalesces what its concurrent requests ask for meanwhile).
     async fn batch(ops: Vec<CacheOp>) -> Vec<CacheOpResult>;
@@ -307,6 +327,10 @@ pub struct ItemInfo {
     pub references: u32,
     pub data_bytes: u64,
     pub embed_ready: bool,
+    pub data_ready: bool,
+    /// Referenced, but its bytes never came (its writer left or missed the data
+    /// timeout): whatever holds it is stuck; `drop` removes it.
+    pub stuck: bool,
     pub idle_ms: u64,
     pub age_ms: u64,
 }
@@ -319,6 +343,10 @@ pub enum AdminError {
     NotFound(ItemKey),
     #[error("item {digest} is in use ({references} references); it can be evicted once released")]
     Referenced { digest: ItemKey, references: u32 },
+    #[error(
+        "item {digest} is in use ({references} references) and not stuck; drop it with force, or evict it once released"
+    )]
+    NotStuck { digest: ItemKey, references: u32 },
 }
 
 /// The operators' face of the cache, on its own (loopback TCP) listener. Every call
@@ -331,6 +359,9 @@ pub trait CacheAdmin {
     async fn evict(token: String, digest: ItemKey) -> Result<u64, AdminError>;
     /// Evicts every unreferenced item; returns how many.
     async fn clear(token: String) -> Result<u64, AdminError>;
+    /// Drops the item(s) with this digest and every reference to them: stuck items
+    /// only, unless `force`. Returns how many.
+    async fn drop_item(token: String, digest: ItemKey, force: bool) -> Result<u64, AdminError>;
 }
 
 #[cfg(test)]

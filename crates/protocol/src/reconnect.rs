@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tarpc::client::RpcError;
@@ -30,7 +31,49 @@ type Reply = oneshot::Sender<Result<CacheOpResult, RpcFailure>>;
 
 pub struct CacheConnection {
     link: Arc<Link>,
-    ops: mpsc::Sender<(CacheOp, Reply)>,
+    /// Unbounded so that a [`Lease`]'s drop can always queue its release; the callers
+    /// (requests) are bounded upstream. One FIFO: a lease's release follows its alloc.
+    ops: mpsc::UnboundedSender<(CacheOp, Option<Reply>)>,
+    next_lease: AtomicU64,
+}
+
+/// One request's reservation at the cache: what is granted under it belongs to it, and
+/// dropping it gives all of that back, whether or not the grant reached the caller (its
+/// client may vanish while the alloc is in flight). If the alloc may still be on its
+/// way, the cache refuses it when it arrives.
+pub struct Lease {
+    id: u64,
+    ops: mpsc::UnboundedSender<(CacheOp, Option<Reply>)>,
+    state: LeaseState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum LeaseState {
+    /// Nothing asked, or the cache answered that nothing is held.
+    Empty,
+    /// An alloc was sent and its outcome is unknown: it may arrive at the cache up to
+    /// this long from now.
+    InFlight(Duration),
+    Held,
+}
+
+impl Lease {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let linger_ms = match self.state {
+            LeaseState::Empty => return,
+            LeaseState::Held => 0,
+            LeaseState::InFlight(d) => d.as_millis() as u64,
+        };
+        // If the coalescing task is gone, so is the connection, and the cache released
+        // everything it held.
+        let _ = self.ops.send((CacheOp::ReleaseLease { lease: self.id, linger_ms }, None));
+    }
 }
 
 struct Link {
@@ -43,9 +86,14 @@ impl CacheConnection {
     pub async fn connect(path: &Path, timeout: Duration) -> std::io::Result<Self> {
         let client = Link::open(path, timeout).await?;
         let link = Arc::new(Link { path: path.to_path_buf(), client: Mutex::new(Some(client)) });
-        let (ops, rx) = mpsc::channel(4 * MAX_BATCH);
+        let (ops, rx) = mpsc::unbounded_channel();
         tokio::spawn(coalesce(link.clone(), rx));
-        Ok(CacheConnection { link, ops })
+        Ok(CacheConnection { link, ops, next_lease: AtomicU64::new(1) })
+    }
+
+    /// A new lease: the holder of one request's references.
+    pub fn lease(&self) -> Lease {
+        Lease { id: self.next_lease.fetch_add(1, Ordering::Relaxed), ops: self.ops.clone(), state: LeaseState::Empty }
     }
 
     /// The current client, reconnecting first if the last call found the link broken.
@@ -62,22 +110,37 @@ impl CacheConnection {
         self.link.call(f).await
     }
 
-    /// `alloc`: granted at once through the coalesced path when nobody waits in the
-    /// cache's line, else a call of its own that waits up to `wait`.
+    /// `alloc` under `lease` (one per lease): granted at once through the coalesced
+    /// path when nobody waits in the cache's line, else a call of its own that waits up
+    /// to `wait`. What is granted belongs to the lease, even if this future is dropped.
     pub async fn alloc(
         &self,
+        lease: &mut Lease,
         items: Vec<AllocItem>,
         wait: Duration,
         rpc_timeout: Duration,
     ) -> Result<Result<Allocation, CacheError>, RpcFailure> {
-        match self.op(CacheOp::Alloc(items.clone())).await? {
-            CacheOpResult::Allocated(a) => Ok(Ok(a)),
-            CacheOpResult::Failed(e) => Ok(Err(e)),
-            CacheOpResult::MustWait | CacheOpResult::Done => {
+        // Until the answer is in, the alloc may still reach the cache (the wait, plus
+        // the deadline of the call, plus one coalesced call queued ahead of it).
+        lease.state = LeaseState::InFlight(wait + rpc_timeout + BATCH_TIMEOUT);
+        let lease_id = lease.id;
+        let outcome = match self.op(CacheOp::Alloc { lease: lease_id, items: items.clone() }).await {
+            Ok(CacheOpResult::Allocated(a)) => Ok(Ok(a)),
+            Ok(CacheOpResult::Failed(e)) => Ok(Err(e)),
+            Ok(_) => {
                 let wait_ms = wait.as_millis() as u64;
-                self.call(|c| async move { c.alloc(deadline(wait + rpc_timeout), items, wait_ms).await }).await
+                self.call(|c| async move { c.alloc(deadline(wait + rpc_timeout), lease_id, items, wait_ms).await })
+                    .await
             }
+            Err(e) => Err(e),
+        };
+        match &outcome {
+            Ok(Ok(_)) => lease.state = LeaseState::Held,
+            Ok(Err(_)) => lease.state = LeaseState::Empty,
+            // The call failed in transport: it may or may not have been granted.
+            Err(_) => {}
         }
+        outcome
     }
 
     pub async fn release(&self, ids: Vec<u64>) -> Result<Result<(), CacheError>, RpcFailure> {
@@ -98,7 +161,7 @@ impl CacheConnection {
     async fn op(&self, op: CacheOp) -> Result<CacheOpResult, RpcFailure> {
         let gone = || RpcFailure { service: "embed cache", reason: "the coalescing task ended".into() };
         let (tx, rx) = oneshot::channel();
-        self.ops.send((op, tx)).await.map_err(|_| gone())?;
+        self.ops.send((op, Some(tx))).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }
 }
@@ -145,34 +208,28 @@ impl Link {
 }
 
 /// Sends what queued up while the previous call was in flight as one `batch` call;
-/// ends when the connection is dropped.
-async fn coalesce(link: Arc<Link>, mut rx: mpsc::Receiver<(CacheOp, Reply)>) {
+/// ends when the connection is dropped. A grant whose caller went away meanwhile is
+/// given back by the caller's [`Lease`], whose release is queued behind it.
+async fn coalesce(link: Arc<Link>, mut rx: mpsc::UnboundedReceiver<(CacheOp, Option<Reply>)>) {
     let mut queued = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut queued, MAX_BATCH).await > 0 {
-        let (ops, replies): (Vec<CacheOp>, Vec<Reply>) = queued.drain(..).unzip();
-        match link.call(|c| async move { c.batch(deadline(BATCH_TIMEOUT), ops).await }).await {
-            Ok(results) if results.len() == replies.len() => {
-                // A grant whose caller went away meanwhile would hold references until
-                // the connection closes: give it back.
-                let mut orphans = Vec::new();
-                for (reply, r) in replies.into_iter().zip(results) {
-                    if let Err(Ok(CacheOpResult::Allocated(a))) = reply.send(Ok(r)) {
-                        orphans.extend(a.records.iter().map(|r| r.id));
-                    }
-                }
-                if !orphans.is_empty() {
-                    let _ = link.call(|c| async move { c.release(deadline(BATCH_TIMEOUT), orphans).await }).await;
-                }
-            }
+        let (ops, replies): (Vec<CacheOp>, Vec<Option<Reply>>) = queued.drain(..).unzip();
+        let outcome = link.call(|c| async move { c.batch(deadline(BATCH_TIMEOUT), ops).await }).await;
+        let results: Vec<Result<CacheOpResult, RpcFailure>> = match outcome {
+            Ok(results) if results.len() == replies.len() => results.into_iter().map(Ok).collect(),
             Ok(results) => {
                 let reason = format!("{} results for {} operations", results.len(), replies.len());
-                for reply in replies {
-                    let _ = reply.send(Err(RpcFailure { service: "embed cache", reason: reason.clone() }));
-                }
+                vec![Err(RpcFailure { service: "embed cache", reason }); replies.len()]
             }
-            Err(e) => {
-                for reply in replies {
-                    let _ = reply.send(Err(e.clone()));
+            Err(e) => vec![Err(e); replies.len()],
+        };
+        for (reply, r) in replies.into_iter().zip(results) {
+            match reply {
+                Some(reply) => drop(reply.send(r)),
+                None => {
+                    if let Err(e) = r {
+                        tracing::warn!("releasing a lease: {e}");
+                    }
                 }
             }
         }

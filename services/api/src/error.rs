@@ -75,9 +75,11 @@ impl From<CacheError> for ApiError {
     fn from(e: CacheError) -> Self {
         match e {
             CacheError::TooLarge { .. } => ApiError::bad(e.to_string()),
-            CacheError::Full { .. } | CacheError::Timeout(_) | CacheError::Disconnected | CacheError::Abandoned(_) => {
-                ApiError::Unavailable(e.to_string())
-            }
+            CacheError::Full { .. }
+            | CacheError::Timeout(_)
+            | CacheError::Disconnected
+            | CacheError::Abandoned(_)
+            | CacheError::Cancelled => ApiError::Unavailable(e.to_string()),
             _ => ApiError::Internal(e.to_string()),
         }
     }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use mmserve_protocol::reconnect::Lease;
 use mmserve_protocol::{
     AllocItem, EncodeItem, GenerateRequest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure, SamplingParams,
     deadline,
@@ -18,13 +19,15 @@ use crate::prompt::{expand, parse_messages, tokenize};
 use crate::state::AppState;
 
 /// Holds a request's cache references and its place in the engine. Dropping it (the
-/// request finished, failed, or its client went away) aborts the engine request if it
-/// is still running and releases every reference exactly once.
+/// request finished, failed, or its client went away at any await) aborts the engine
+/// request if it is still running and then gives back its cache lease, which releases
+/// every reference granted under it exactly once, even a grant the request never saw.
 pub struct RequestGuard {
     state: Arc<AppState>,
     /// Engine requests (one per choice) submitted and not yet finished.
     running: Vec<u64>,
-    cache_ids: Vec<u64>,
+    /// Exists before the alloc is sent.
+    lease: Option<Lease>,
 }
 
 impl RequestGuard {
@@ -37,9 +40,9 @@ impl RequestGuard {
 impl Drop for RequestGuard {
     fn drop(&mut self) {
         let abort = std::mem::take(&mut self.running);
-        let ids = std::mem::take(&mut self.cache_ids);
-        if abort.is_empty() && ids.is_empty() {
-            return;
+        let lease = self.lease.take();
+        if abort.is_empty() {
+            return; // the lease, if any, is given back as it drops here
         }
         let state = self.state.clone();
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
@@ -51,15 +54,8 @@ impl Drop for RequestGuard {
                     tracing::warn!("aborting request {request_id}: {e}");
                 }
             }
-            if !ids.is_empty() {
-                // If the cache restarted (or our connection broke), it dropped these
-                // references itself when the connection closed.
-                match state.cache.release(ids).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!("releasing cache items: {e}"),
-                    Err(e) => tracing::warn!("releasing cache items: {e}"),
-                }
-            }
+            // Only now may the items' slots go: the engine no longer reads them.
+            drop(lease);
         });
     }
 }
@@ -207,7 +203,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     let (params, n) = sampling(req, prompt_len, state.max_model_len)?;
 
     let request_id = state.new_request_id();
-    let mut guard = RequestGuard { state: state.clone(), running: Vec::new(), cache_ids: Vec::new() };
+    let mut guard = RequestGuard { state: state.clone(), running: Vec::new(), lease: None };
     let (cache_instance, records) = reserve(state, &items, &mut guard).await?;
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
@@ -272,8 +268,8 @@ async fn reserve(
     // The cache decides every alloc under one lock, across all api processes: a request
     // gets all its items or none (waiting in line, holding nothing, when full), so two
     // requests never hold parts of the capacity while waiting on each other.
-    let granted = state.cache.alloc(alloc, wait, t).await??;
-    guard.cache_ids = granted.records.iter().map(|r| r.id).collect();
+    let lease = guard.lease.insert(state.cache.lease());
+    let granted = state.cache.alloc(lease, alloc, wait, t).await??;
     let (instance, records) = (granted.instance, granted.records);
 
     let mut written = Vec::new();

@@ -1,34 +1,165 @@
 //! The admin listener: `CacheAdmin` over TCP (loopback by default), every call checked
 //! against the admin token in constant time.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
+use mmserve_protocol::cache::{CacheAdminRequest, CacheAdminResponse};
 use mmserve_protocol::{AdminError, CacheAdmin, CacheStats, ItemInfo, ItemKey};
 use tarpc::context::Context;
-use tarpc::serde_transport::tcp;
 use tarpc::server::{BaseChannel, Channel};
 use tarpc::tokio_serde::formats::Bincode;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_util::codec::{Decoder, Encoder, Framed, LengthDelimitedCodec};
 
 use crate::CacheService;
 
-pub type AdminListener = tcp::Incoming<
-    tarpc::ClientMessage<mmserve_protocol::cache::CacheAdminRequest>,
-    tarpc::Response<mmserve_protocol::cache::CacheAdminResponse>,
-    Bincode<
-        tarpc::ClientMessage<mmserve_protocol::cache::CacheAdminRequest>,
-        tarpc::Response<mmserve_protocol::cache::CacheAdminResponse>,
-    >,
-    fn() -> Bincode<
-        tarpc::ClientMessage<mmserve_protocol::cache::CacheAdminRequest>,
-        tarpc::Response<mmserve_protocol::cache::CacheAdminResponse>,
-    >,
->;
+/// Largest call a client may send (a token and a digest): an unauthenticated peer cannot
+/// make the listener buffer more than this.
+const MAX_CALL_FRAME: usize = 64 << 10;
+/// Largest reply (`list` of every item).
+const MAX_REPLY_FRAME: usize = 256 << 20;
+/// Calls one connection may have in flight.
+const MAX_IN_FLIGHT: usize = 4;
+/// Longest pause after a failed accept (out of file descriptors, say).
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
-pub async fn bind(addr: &str) -> std::io::Result<AdminListener> {
-    let codec: fn() -> Bincode<_, _> = Bincode::default;
-    tcp::listen(addr, codec).await
+/// The admin listener's bounds: a flood of connections from a local user without the
+/// token must not wedge it, nor take time from the data path.
+#[derive(Debug, Clone, Copy)]
+pub struct AdminLimits {
+    /// Connections served at once; beyond it a new connection is closed at once.
+    pub max_connections: usize,
+    /// A connection that has not made an authenticated call by then is closed.
+    pub auth_timeout: Duration,
+    /// An authenticated connection with no call for this long is closed.
+    pub idle_timeout: Duration,
 }
+
+/// Binds the admin address now (so a bad address fails the start).
+pub fn bind(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Serves the admin listener on a thread and runtime of its own, so that however busy
+/// it is, the data path's runtime never runs admin work; it shares only the cache's lock,
+/// which unauthenticated calls never take. Ends with the process.
+pub fn spawn(
+    listener: std::net::TcpListener,
+    cache: CacheService,
+    token: String,
+    limits: AdminLimits,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    std::thread::Builder::new().name("admin".into()).spawn(move || {
+        rt.block_on(async move {
+            match TcpListener::from_std(listener) {
+                Ok(listener) => serve(listener, Admin { cache, token: Arc::new(token) }, limits).await,
+                Err(e) => tracing::error!("admin listener: {e}"),
+            }
+        })
+    })
+}
+
+async fn serve(listener: TcpListener, admin: Admin, limits: AdminLimits) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => {
+                backoff = Duration::from_millis(10);
+                accepted
+            }
+            Err(e) => {
+                // Out of descriptors or memory: pending connections stay in the backlog
+                // while connections we hold time out and free theirs.
+                tracing::warn!("admin accept failed: {e}; pausing {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_ACCEPT_BACKOFF);
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            // Closed at once (never left in CLOSE-WAIT): the client sees a reset.
+            drop(stream);
+            continue;
+        };
+        let admin = admin.clone();
+        tokio::spawn(async move {
+            serve_connection(stream, peer, admin, limits).await;
+            drop(permit);
+        });
+    }
+}
+
+/// One connection: closed when its peer closes, when it has not authenticated within
+/// the auth timeout, or when it has been idle too long.
+async fn serve_connection(stream: TcpStream, peer: SocketAddr, admin: Admin, limits: AdminLimits) {
+    let _ = stream.set_nodelay(true);
+    let framed = Framed::new(stream, Frames::default());
+    let transport = tarpc::tokio_serde::Framed::new(framed, Bincode::<ClientMessage, ServerMessage>::default());
+    let conn = Connection { admin, authenticated: Arc::new(AtomicBool::new(false)), activity: Default::default() };
+    let calls = BaseChannel::with_defaults(transport)
+        .execute(conn.clone().serve())
+        .for_each_concurrent(MAX_IN_FLIGHT, |response| response);
+    let watchdog = async {
+        tokio::time::sleep(limits.auth_timeout).await;
+        if !conn.authenticated.load(Ordering::Relaxed) {
+            tracing::debug!(%peer, "admin connection closed: no authenticated call within {:?}", limits.auth_timeout);
+            return;
+        }
+        // Idle: no call began within the idle timeout.
+        loop {
+            let notified = conn.activity.notified();
+            if tokio::time::timeout(limits.idle_timeout, notified).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = calls => {}
+        _ = watchdog => {}
+    }
+}
+
+/// Length-delimited frames, as `tarpc::serde_transport::tcp` uses, with a small limit on
+/// what is read and a large one on what is written.
+struct Frames {
+    read: LengthDelimitedCodec,
+    write: LengthDelimitedCodec,
+}
+
+impl Default for Frames {
+    fn default() -> Self {
+        let codec = |max| LengthDelimitedCodec::builder().max_frame_length(max).new_codec();
+        Frames { read: codec(MAX_CALL_FRAME), write: codec(MAX_REPLY_FRAME) }
+    }
+}
+
+impl Decoder for Frames {
+    type Item = BytesMut;
+    type Error = std::io::Error;
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<BytesMut>, std::io::Error> {
+        self.read.decode(src)
+    }
+}
+
+impl Encoder<Bytes> for Frames {
+    type Error = std::io::Error;
+    fn encode(&mut self, item: Bytes, dst: &mut BytesMut) -> Result<(), std::io::Error> {
+        self.write.encode(item, dst)
+    }
+}
+
+type ClientMessage = tarpc::ClientMessage<CacheAdminRequest>;
+type ServerMessage = tarpc::Response<CacheAdminResponse>;
 
 #[derive(Clone)]
 struct Admin {
@@ -36,51 +167,54 @@ struct Admin {
     token: Arc<String>,
 }
 
-impl Admin {
+/// The admin service as one connection sees it.
+#[derive(Clone)]
+struct Connection {
+    admin: Admin,
+    authenticated: Arc<AtomicBool>,
+    activity: Arc<tokio::sync::Notify>,
+}
+
+impl Connection {
     fn check(&self, given: &str) -> Result<(), AdminError> {
-        let (a, b) = (self.token.as_bytes(), given.as_bytes());
+        self.activity.notify_waiters();
+        let (a, b) = (self.admin.token.as_bytes(), given.as_bytes());
         // Constant time in the token's contents (its length is not a secret worth hiding).
         let diff = a.len() ^ b.len() | a.iter().zip(b).fold(0usize, |acc, (x, y)| acc | usize::from(x ^ y));
-        if diff == 0 { Ok(()) } else { Err(AdminError::Unauthorized) }
+        if diff != 0 {
+            return Err(AdminError::Unauthorized);
+        }
+        self.authenticated.store(true, Ordering::Relaxed);
+        Ok(())
     }
 }
 
-pub async fn serve(listener: AdminListener, cache: CacheService, token: String) {
-    let admin = Admin { cache, token: Arc::new(token) };
-    listener
-        .filter_map(|r| async move { r.ok() })
-        .for_each_concurrent(None, |transport| {
-            let admin = admin.clone();
-            async move {
-                BaseChannel::with_defaults(transport)
-                    .execute(admin.serve())
-                    .for_each(|response| async move {
-                        tokio::spawn(response);
-                    })
-                    .await;
-            }
-        })
-        .await;
-}
-
-impl CacheAdmin for Admin {
+impl CacheAdmin for Connection {
     async fn stats(self, _: Context, token: String) -> Result<CacheStats, AdminError> {
         self.check(&token)?;
-        Ok(self.cache.stats_now())
+        Ok(self.admin.cache.stats_now())
     }
 
     async fn list(self, _: Context, token: String) -> Result<Vec<ItemInfo>, AdminError> {
         self.check(&token)?;
-        Ok(self.cache.with_state(|s| s.list()))
+        Ok(self.admin.cache.with_state(|s| s.list()))
     }
 
     async fn evict(self, _: Context, token: String, digest: ItemKey) -> Result<u64, AdminError> {
         self.check(&token)?;
-        self.cache.with_state(|s| s.evict(digest))
+        self.admin.cache.with_state(|s| s.evict(digest))
     }
 
     async fn clear(self, _: Context, token: String) -> Result<u64, AdminError> {
         self.check(&token)?;
-        Ok(self.cache.with_state(|s| s.clear_unreferenced()))
+        Ok(self.admin.cache.with_state(|s| s.clear_unreferenced()))
+    }
+
+    async fn drop_item(self, _: Context, token: String, digest: ItemKey, force: bool) -> Result<u64, AdminError> {
+        self.check(&token)?;
+        let dropped = self.admin.cache.with_state(|s| s.drop_item(digest, force, std::time::Instant::now()))?;
+        // Requests waiting for a dropped item's bytes fail now instead of at their timeout.
+        self.admin.cache.notify_data_waiters();
+        Ok(dropped)
     }
 }

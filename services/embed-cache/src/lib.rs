@@ -12,6 +12,7 @@ pub mod state;
 mod view;
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use mmserve_protocol::ArenaDtype;
 
@@ -38,6 +39,41 @@ pub struct CacheArgs {
     pub capacity: CapacityArgs,
     #[command(flatten)]
     pub admin: AdminArgs,
+    #[command(flatten)]
+    pub admin_limits: AdminLimitArgs,
+}
+
+/// Bounds of the admin listener.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdminLimitArgs {
+    /// Admin connections served at once; more are closed at once.
+    #[arg(long, env = "MMSERVE_ADMIN_MAX_CONNECTIONS", default_value_t = 64)]
+    pub admin_max_connections: usize,
+    /// Seconds a new admin connection has to make an authenticated call before it is closed.
+    #[arg(long, env = "MMSERVE_ADMIN_AUTH_TIMEOUT_S", default_value_t = 5.0)]
+    pub admin_auth_timeout_s: f64,
+    /// Seconds an authenticated admin connection may stay idle.
+    #[arg(long, env = "MMSERVE_ADMIN_IDLE_TIMEOUT_S", default_value_t = 300.0)]
+    pub admin_idle_timeout_s: f64,
+}
+
+impl AdminLimitArgs {
+    fn limits(&self) -> Result<admin::AdminLimits, CacheServiceError> {
+        let secs = |v: f64, flag: &str| {
+            Duration::try_from_secs_f64(v)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| CacheServiceError::Capacity(format!("{flag} must be positive")))
+        };
+        if self.admin_max_connections == 0 {
+            return Err(CacheServiceError::Capacity("--admin-max-connections must be positive".into()));
+        }
+        Ok(admin::AdminLimits {
+            max_connections: self.admin_max_connections,
+            auth_timeout: secs(self.admin_auth_timeout_s, "--admin-auth-timeout-s")?,
+            idle_timeout: secs(self.admin_idle_timeout_s, "--admin-idle-timeout-s")?,
+        })
+    }
 }
 
 /// How much the cache holds.
@@ -55,6 +91,10 @@ pub struct CapacityArgs {
     /// Largest fraction of the slots one request may use (more is refused with 400).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_REQUEST_SHARE", default_value_t = 0.5)]
     pub embed_cache_request_share: f64,
+    /// Seconds a new item's uploader has to write its bytes; past it the item is
+    /// abandoned (requests waiting for it fail, the next request starts afresh).
+    #[arg(long, env = "MMSERVE_EMBED_CACHE_DATA_TIMEOUT_S", default_value_t = 30.0)]
+    pub embed_cache_data_timeout_s: f64,
 }
 
 /// The admin listener.
@@ -116,12 +156,12 @@ pub async fn run(args: CacheArgs, shutdown: impl Future<Output = ()>) -> Result<
     let info = service.info().clone();
     let listener = mmserve_protocol::transport::bind(&args.socket)
         .map_err(|source| CacheServiceError::Bind { path: args.socket.display().to_string(), source })?;
+    let admin_limits = args.admin_limits.limits()?;
     let admin = match args.admin.token()? {
         Some(token) => {
-            let listener = admin::bind(&args.admin.admin_addr)
-                .await
-                .map_err(|source| CacheServiceError::Bind { path: args.admin.admin_addr.clone(), source })?;
-            let addr = listener.local_addr().to_string();
+            let bind_err = |source| CacheServiceError::Bind { path: args.admin.admin_addr.clone(), source };
+            let listener = admin::bind(&args.admin.admin_addr).map_err(bind_err)?;
+            let addr = listener.local_addr().map_err(bind_err)?.to_string();
             Some((listener, token, addr))
         }
         None => {
@@ -143,15 +183,12 @@ pub async fn run(args: CacheArgs, shutdown: impl Future<Output = ()>) -> Result<
     );
     let admin_addr = admin.as_ref().map(|a| a.2.clone()).unwrap_or_default();
     mmserve_protocol::ready::announce_with("embed-cache", &admin_addr);
-    let admin_task = async {
-        match admin {
-            Some((listener, token, _)) => admin::serve(listener, service.clone(), token).await,
-            None => std::future::pending().await,
-        }
-    };
+    if let Some((listener, token, _)) = admin {
+        let bind_err = |source| CacheServiceError::Bind { path: args.admin.admin_addr.clone(), source };
+        admin::spawn(listener, service.clone(), token, admin_limits).map_err(bind_err)?;
+    }
     tokio::select! {
         _ = service.clone().run_listener(listener) => {}
-        _ = admin_task => {}
         _ = shutdown => {}
     }
     service.shutdown();

@@ -8,12 +8,15 @@
 //! not starved by a stream of small ones.
 //!
 //! Each connection is an owner: its references are released when it closes, so a killed
-//! api process cannot leave items referenced forever.
+//! api process cannot leave items referenced forever. Within a connection, an api
+//! process holds each request's references under a lease of its own and gives the lease
+//! back however the request ended, so a request whose client vanished while its alloc
+//! was in flight cannot leave references behind either.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use mmserve_protocol::cache::{Allocation, CacheOp, CacheOpResult};
@@ -24,7 +27,7 @@ use tarpc::server::{BaseChannel, Channel};
 use tokio::net::UnixListener;
 use tokio::sync::{Notify, oneshot};
 
-use crate::state::{CacheState, Limits, Owner, Refusal};
+use crate::state::{CacheState, Holder, Limits, Owner, Refusal};
 use crate::{CacheArgs, CacheServiceError};
 
 /// Longest wait any call may ask for (one hour): keeps deadline arithmetic in range.
@@ -32,7 +35,7 @@ const MAX_WAIT_MS: u64 = 3_600_000;
 
 struct Waiter {
     ticket: u64,
-    owner: Owner,
+    owner: Holder,
     items: Vec<AllocItem>,
     tx: oneshot::Sender<Vec<ItemRecord>>,
 }
@@ -42,13 +45,75 @@ struct Inner {
     queue: VecDeque<Waiter>,
     /// Owners whose connection closed: nothing may be granted to them any more.
     gone: HashSet<Owner>,
+    cancelled: Cancelled,
+}
+
+/// Leases released before their alloc was decided (the release overtook the alloc on
+/// the way, or the alloc still waits to be read): an alloc under one is refused. Each is
+/// forgotten once no alloc under it can still arrive (the linger its client names).
+#[derive(Default)]
+struct Cancelled {
+    until: HashMap<Holder, Instant>,
+    order: VecDeque<(Instant, Holder)>,
+}
+
+/// The longest a cancelled lease is remembered.
+const MAX_LINGER_MS: u64 = MAX_WAIT_MS + 60_000;
+
+impl Cancelled {
+    fn insert(&mut self, h: Holder, linger_ms: u64, now: Instant) {
+        self.sweep(now);
+        let until = now + Duration::from_millis(linger_ms.min(MAX_LINGER_MS));
+        self.until.insert(h, until);
+        self.order.push_back((until, h));
+    }
+
+    /// Whether an alloc under `h` must be refused (and forgets `h`: one alloc per lease).
+    fn take(&mut self, h: Holder, now: Instant) -> bool {
+        self.sweep(now);
+        self.until.remove(&h).is_some()
+    }
+
+    fn forget_conn(&mut self, conn: Owner) {
+        self.until.retain(|h, _| h.conn != conn);
+    }
+
+    fn sweep(&mut self, now: Instant) {
+        while let Some(&(t, h)) = self.order.front() {
+            if t > now && self.order.len() <= 4 * self.until.len().max(16) {
+                break;
+            }
+            self.order.pop_front();
+            if self.until.get(&h).is_some_and(|&u| u <= now) {
+                self.until.remove(&h);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.until.len()
+    }
 }
 
 impl Inner {
+    /// Gives back what `holder` holds and takes it out of the line; remembers it as
+    /// cancelled if it held nothing and waited for nothing. Returns the references dropped.
+    fn release_lease(&mut self, holder: Holder, linger_ms: u64) -> u64 {
+        let released = self.state.release_lease(holder);
+        let waiting = self.queue.len();
+        self.queue.retain(|w| w.owner != holder);
+        if released == 0 && waiting == self.queue.len() && linger_ms > 0 {
+            self.cancelled.insert(holder, linger_ms, Instant::now());
+        }
+        self.drain();
+        released
+    }
+
     /// Grants waiting allocs in order while the head fits.
     fn drain(&mut self) {
+        self.state.expire_unwritten(Instant::now());
         while let Some(head) = self.queue.front() {
-            if head.tx.is_closed() || self.gone.contains(&head.owner) {
+            if head.tx.is_closed() || self.gone.contains(&head.owner.conn) {
                 self.queue.pop_front();
                 continue;
             }
@@ -110,6 +175,10 @@ impl CacheService {
             data_bytes: cap.embed_cache_data_size.0,
             request_slots: ((slots as f64) * cap.embed_cache_request_share).floor().max(1.0) as u64,
         };
+        let data_timeout = Duration::try_from_secs_f64(cap.embed_cache_data_timeout_s)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| CacheServiceError::Capacity("--embed-cache-data-timeout-s must be positive".into()))?;
         let prefix = args.shm_prefix.clone().unwrap_or_else(default_prefix);
         let lock = InstanceLock::acquire(&prefix)?;
         let embed_segment = format!("{prefix}.arena");
@@ -133,9 +202,11 @@ impl CacheService {
                 inner: Mutex::new(Inner {
                     // Ids differ between instances, so a client releasing ids of a previous
                     // instance after a restart cannot hit live records.
-                    state: CacheState::with_first_id(limits, (instance & 0xffff_ffff) << 31),
+                    state: CacheState::with_first_id(limits, (instance & 0xffff_ffff) << 31)
+                        .with_data_timeout(data_timeout),
                     queue: VecDeque::new(),
                     gone: HashSet::new(),
+                    cancelled: Cancelled::default(),
                 }),
                 data_ready: Notify::new(),
                 info,
@@ -165,20 +236,32 @@ impl CacheService {
         out
     }
 
+    pub(crate) fn notify_data_waiters(&self) {
+        self.shared.data_ready.notify_waiters();
+    }
+
     pub(crate) fn stats_now(&self) -> CacheStats {
         let inner = self.lock();
         let mut s = inner.state.stats();
         s.waiting = inner.queue.len() as u64;
+        s.cancelled_leases = inner.cancelled.len() as u64;
         s
     }
 
     /// Serves one owner per connection until the listener fails.
     pub async fn run_listener(self, listener: UnixListener) {
+        let mut backoff = Duration::from_millis(10);
         loop {
             let stream = match listener.accept().await {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    backoff = Duration::from_millis(10);
+                    stream
+                }
                 Err(e) => {
-                    tracing::warn!("accept failed: {e}");
+                    // Out of descriptors, say: retrying at once would spin.
+                    tracing::warn!("accept failed: {e}; pausing {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
                     continue;
                 }
             };
@@ -202,7 +285,8 @@ impl CacheService {
         let mut inner = self.lock();
         inner.gone.insert(self.owner);
         let released = inner.state.release_owner(self.owner);
-        inner.queue.retain(|w| w.owner != self.owner);
+        inner.queue.retain(|w| w.owner.conn != self.owner);
+        inner.cancelled.forget_conn(self.owner);
         inner.drain();
         drop(inner);
         self.shared.data_ready.notify_waiters();
@@ -230,6 +314,7 @@ impl Drop for ClosedGuard {
 /// deadline passed), the ticket leaves the line and any grant that raced in is taken back.
 struct WaitTicket<'a> {
     service: &'a CacheService,
+    holder: Holder,
     ticket: u64,
     rx: oneshot::Receiver<Vec<ItemRecord>>,
     done: bool,
@@ -245,7 +330,7 @@ impl Drop for WaitTicket<'_> {
             inner.queue.remove(pos);
         } else if let Ok(records) = self.rx.try_recv() {
             let ids: Vec<u64> = records.iter().map(|r| r.id).collect();
-            let _ = inner.state.release(self.service.owner, &ids);
+            let _ = inner.state.release(self.holder, &ids);
         }
         inner.drain();
     }
@@ -266,18 +351,28 @@ fn random_u64() -> u64 {
 }
 
 impl EmbedCache for CacheService {
-    async fn alloc(self, _: Context, items: Vec<AllocItem>, wait_ms: u64) -> Result<Allocation, CacheError> {
+    async fn alloc(
+        self,
+        _: Context,
+        lease: u64,
+        items: Vec<AllocItem>,
+        wait_ms: u64,
+    ) -> Result<Allocation, CacheError> {
         let instance = self.shared.info.instance;
         let wait_ms = wait_ms.min(MAX_WAIT_MS);
+        let holder = Holder { conn: self.owner, lease };
         let (ticket, rx, needed) = {
             let mut inner = self.lock();
             if inner.gone.contains(&self.owner) {
                 return Err(CacheError::Disconnected);
             }
+            if lease != 0 && inner.cancelled.take(holder, Instant::now()) {
+                return Err(CacheError::Cancelled);
+            }
             // Drop dead heads first, then: nobody jumps the line; try now only if nobody waits.
             inner.drain();
             let needed = match inner.queue.is_empty() {
-                true => match inner.state.try_alloc(self.owner, &items) {
+                true => match inner.state.try_alloc(holder, &items) {
                     Ok(records) => return Ok(Allocation { instance, records }),
                     Err(Refusal::Never(e)) => return Err(e),
                     Err(Refusal::NotNow { needed_slots, needed_items }) => (needed_slots, needed_items),
@@ -293,20 +388,28 @@ impl EmbedCache for CacheService {
             }
             let (tx, rx) = oneshot::channel();
             let ticket = self.shared.next_ticket.fetch_add(1, Ordering::Relaxed);
-            inner.queue.push_back(Waiter { ticket, owner: self.owner, items, tx });
+            inner.queue.push_back(Waiter { ticket, owner: holder, items, tx });
             (ticket, rx, full)
         };
-        let mut wait = WaitTicket { service: &self, ticket, rx, done: false };
+        let mut wait = WaitTicket { service: &self, holder, ticket, rx, done: false };
         let granted = tokio::time::timeout(Duration::from_millis(wait_ms), &mut wait.rx).await;
         match granted {
             Ok(Ok(records)) => {
                 wait.done = true;
                 Ok(Allocation { instance, records })
             }
-            // Timed out or dropped from the line: the ticket's drop leaves the line (or
-            // takes back a grant that raced in) and lets the next waiter try.
-            _ => Err(needed),
+            // Taken out of the line by its lease's release.
+            Ok(Err(_)) => Err(CacheError::Cancelled),
+            // Timed out: the ticket's drop leaves the line (or takes back a grant that
+            // raced in) and lets the next waiter try.
+            Err(_) => Err(needed),
         }
+    }
+
+    async fn release_lease(self, _: Context, lease: u64, linger_ms: u64) -> u64 {
+        let released = self.lock().release_lease(Holder { conn: self.owner, lease }, linger_ms);
+        self.shared.data_ready.notify_waiters();
+        released
     }
 
     async fn release(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
@@ -326,9 +429,13 @@ impl EmbedCache for CacheService {
         let results = ops
             .into_iter()
             .map(|op| match op {
-                CacheOp::Alloc(items) => {
+                CacheOp::Alloc { lease, items } => {
+                    let holder = Holder { conn: self.owner, lease };
                     if inner.gone.contains(&self.owner) {
                         return CacheOpResult::Failed(CacheError::Disconnected);
+                    }
+                    if lease != 0 && inner.cancelled.take(holder, Instant::now()) {
+                        return CacheOpResult::Failed(CacheError::Cancelled);
                     }
                     inner.drain();
                     if line_closed || !inner.queue.is_empty() {
@@ -338,7 +445,7 @@ impl EmbedCache for CacheService {
                             Err(e) => CacheOpResult::Failed(e),
                         };
                     }
-                    match inner.state.try_alloc(self.owner, &items) {
+                    match inner.state.try_alloc(holder, &items) {
                         Ok(records) => CacheOpResult::Allocated(Allocation { instance, records }),
                         Err(Refusal::Never(e)) => CacheOpResult::Failed(e),
                         Err(Refusal::NotNow { .. }) => {
@@ -352,6 +459,11 @@ impl EmbedCache for CacheService {
                     let r = inner.state.release(self.owner, &ids);
                     inner.drain();
                     r.map_or_else(CacheOpResult::Failed, |()| CacheOpResult::Done)
+                }
+                CacheOp::ReleaseLease { lease, linger_ms } => {
+                    notify = true;
+                    let n = inner.release_lease(Holder { conn: self.owner, lease }, linger_ms);
+                    CacheOpResult::Released(n)
                 }
                 CacheOp::SetData(ids) => {
                     notify = true;
@@ -383,17 +495,26 @@ impl EmbedCache for CacheService {
 
     async fn wait_items_data(self, _: Context, ids: Vec<u64>, timeout_ms: u64) -> Result<(), CacheError> {
         let timeout_ms = timeout_ms.min(MAX_WAIT_MS);
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
         loop {
             // Register for the notification before checking, so a wake-up between the
             // check and the wait is not lost.
             let notified = self.shared.data_ready.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.lock().state.data_ready(&ids)?.iter().all(|&r| r) {
-                return Ok(());
+            let item_deadline = {
+                let mut inner = self.lock();
+                inner.state.expire_unwritten(Instant::now());
+                if inner.state.data_ready(&ids)?.iter().all(|&r| r) {
+                    return Ok(());
+                }
+                inner.state.data_deadline(&ids)
+            };
+            // An item whose writer misses its deadline is abandoned then: look again.
+            let wake = item_deadline.map_or(deadline, |d| d.min(deadline));
+            if tokio::time::timeout_at(wake.into(), notified).await.is_err() && wake == deadline {
+                return Err(CacheError::Timeout(timeout_ms));
             }
-            tokio::time::timeout_at(deadline, notified).await.map_err(|_| CacheError::Timeout(timeout_ms))?;
         }
     }
 

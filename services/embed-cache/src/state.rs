@@ -6,11 +6,15 @@
 //! - `try_alloc` is all-or-nothing: on refusal nothing is held and nothing was evicted;
 //! - a hit is confirmed by the SHA-256 digest, so inputs with equal md5 never share a record;
 //! - virtual token-id ranges come from a counter and are never reused;
-//! - references belong to an owner (a client connection) and all go when it goes;
+//! - references belong to a holder (one lease of a client connection: an api request, or
+//!   the connection itself) and go when the holder releases its lease or the
+//!   connection goes;
+//! - a record whose bytes are not written within the data timeout is abandoned: hidden
+//!   from lookups, waiting for it fails, and it goes with its last reference;
 //! - every record owns one block of embedding slots and one block of data pages.
 
-use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use mmserve_protocol::{
     AdminError, AllocItem, CacheError, CacheStats, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality,
@@ -22,8 +26,26 @@ use crate::slots::SlotAllocator;
 /// Raw bytes are stored in pages of this size.
 pub const DATA_PAGE: u64 = 4096;
 
-/// A client connection; references are counted per owner.
+/// A client connection.
 pub type Owner = u64;
+
+/// Who holds references: a lease of a connection. Lease 0 is the connection itself (the
+/// encoder's pins); an api process names one lease per request, so a request that went
+/// away can give back exactly what it held, whether or not it saw the grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Holder {
+    pub conn: Owner,
+    pub lease: u64,
+}
+
+impl From<Owner> for Holder {
+    fn from(conn: Owner) -> Self {
+        Holder { conn, lease: 0 }
+    }
+}
+
+/// How long a new record's writer has to write its bytes by default.
+pub const DEFAULT_DATA_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Capacity settings.
 #[derive(Debug, Clone, Copy)]
@@ -45,10 +67,10 @@ struct Record {
     data_len: u64,
     data_ready: bool,
     embed_ready: bool,
-    /// The owner that must write the raw bytes (until they are written).
-    writer: Owner,
-    /// The writer left without writing: the record is unfindable and dies with its
-    /// last reference; waiting for its data fails at once.
+    /// The holder that must write the raw bytes (until they are written).
+    writer: Holder,
+    /// The writer left without writing, or its data timeout passed: the record is
+    /// unfindable and dies with its last reference; waiting for its data fails at once.
     abandoned: bool,
     refs: u32,
     /// Tick of the last use; the key of this record in `lru` while unreferenced.
@@ -111,7 +133,10 @@ pub struct CacheState {
     lru: BTreeMap<u64, u64>,
     slots: SlotAllocator,
     pages: SlotAllocator,
-    held: HashMap<Owner, HashMap<u64, u32>>,
+    held: HashMap<Holder, HashMap<u64, u32>>,
+    /// Records whose bytes are not written yet, by creation time: the data deadlines.
+    unwritten: BTreeSet<(Instant, u64)>,
+    data_timeout: Duration,
     limits: Limits,
     next_id: u64,
     next_token_id: u64,
@@ -136,6 +161,8 @@ impl CacheState {
             slots: SlotAllocator::new(limits.slots),
             pages: SlotAllocator::new(limits.data_bytes / DATA_PAGE),
             held: HashMap::new(),
+            unwritten: BTreeSet::new(),
+            data_timeout: DEFAULT_DATA_TIMEOUT,
             limits,
             next_id: first_id.max(1),
             next_token_id: VIRTUAL_TOKEN_BASE,
@@ -143,6 +170,63 @@ impl CacheState {
             hits: 0,
             misses: 0,
             evictions: 0,
+        }
+    }
+
+    /// How long a new record's writer has to write its bytes before it is abandoned.
+    pub fn with_data_timeout(mut self, timeout: Duration) -> Self {
+        self.data_timeout = timeout;
+        self
+    }
+
+    pub fn data_timeout(&self) -> Duration {
+        self.data_timeout
+    }
+
+    /// Abandons every record whose bytes did not arrive within the data timeout as of
+    /// `now` (its writer is stuck or gone): later requests start afresh, waiters fail.
+    /// Returns how many.
+    pub fn expire_unwritten(&mut self, now: Instant) -> usize {
+        let mut n = 0;
+        while let Some(&(created, id)) = self.unwritten.first() {
+            if now.saturating_duration_since(created) < self.data_timeout {
+                break;
+            }
+            self.unwritten.pop_first();
+            let refs = self.records.get(&id).map_or(0, |r| r.refs);
+            if refs == 0 {
+                self.remove(id);
+            } else {
+                self.abandon(id);
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// When the first of these records' data deadlines passes (none for written ones).
+    pub fn data_deadline(&self, ids: &[u64]) -> Option<Instant> {
+        ids.iter()
+            .filter_map(|id| self.records.get(id))
+            .filter(|r| !r.data_ready && !r.abandoned)
+            .map(|r| r.created + self.data_timeout)
+            .min()
+    }
+
+    /// Hides a record from lookups for good: the next request for its bytes starts afresh.
+    fn abandon(&mut self, id: u64) {
+        let Some(r) = self.records.get_mut(&id) else { return };
+        if r.abandoned {
+            return;
+        }
+        r.abandoned = true;
+        let (key, created) = (r.digest.key, r.created);
+        self.unwritten.remove(&(created, id));
+        if let Some(ids) = self.by_key.get_mut(&key) {
+            ids.retain(|&x| x != id);
+            if ids.is_empty() {
+                self.by_key.remove(&key);
+            }
         }
     }
 
@@ -188,7 +272,8 @@ impl CacheState {
 
     /// Reserves every item for `owner` now, evicting least recently used unreferenced
     /// items as far as needed, or refuses and changes nothing.
-    pub fn try_alloc(&mut self, owner: Owner, items: &[AllocItem]) -> Result<Vec<ItemRecord>, Refusal> {
+    pub fn try_alloc(&mut self, owner: impl Into<Holder>, items: &[AllocItem]) -> Result<Vec<ItemRecord>, Refusal> {
+        let owner = owner.into();
         let mut distinct: Vec<&AllocItem> = Vec::new();
         for item in items {
             if !distinct.iter().any(|d| d.digest == item.digest) {
@@ -248,6 +333,7 @@ impl CacheState {
                 },
             );
             self.by_key.entry(item.digest.key).or_default().push(id);
+            self.unwritten.insert((now, id));
             created.push(id);
         }
 
@@ -340,7 +426,8 @@ impl CacheState {
     }
 
     /// Drops one reference per id held by `owner`; refuses all if any is not held.
-    pub fn release(&mut self, owner: Owner, ids: &[u64]) -> Result<(), CacheError> {
+    pub fn release(&mut self, owner: impl Into<Holder>, ids: &[u64]) -> Result<(), CacheError> {
+        let owner = owner.into();
         let mut counts: HashMap<u64, u32> = HashMap::new();
         for &id in ids {
             *counts.entry(id).or_default() += 1;
@@ -360,15 +447,28 @@ impl CacheState {
         Ok(())
     }
 
-    /// Releases everything `owner` holds (its connection closed); returns how many references.
-    pub fn release_owner(&mut self, owner: Owner) -> u64 {
+    /// Releases everything the connection `conn` holds, under any lease (it closed);
+    /// returns how many references.
+    pub fn release_owner(&mut self, conn: Owner) -> u64 {
+        let holders: Vec<Holder> = self.held.keys().filter(|h| h.conn == conn).copied().collect();
+        holders.into_iter().map(|h| self.release_lease(h)).sum()
+    }
+
+    /// Releases everything one holder holds (its request ended, however); returns how
+    /// many references (0 if it holds nothing).
+    pub fn release_lease(&mut self, holder: Holder) -> u64 {
         let held: Vec<(u64, u32)> =
-            self.held.get(&owner).map(|h| h.iter().map(|(&id, &n)| (id, n)).collect()).unwrap_or_default();
-        held.iter().for_each(|&(id, n)| self.unref(owner, id, n));
+            self.held.get(&holder).map(|h| h.iter().map(|(&id, &n)| (id, n)).collect()).unwrap_or_default();
+        held.iter().for_each(|&(id, n)| self.unref(holder, id, n));
         held.iter().map(|&(_, n)| u64::from(n)).sum()
     }
 
-    fn unref(&mut self, owner: Owner, id: u64, n: u32) {
+    /// Whether this holder holds any reference.
+    pub fn holds(&self, holder: Holder) -> bool {
+        self.held.contains_key(&holder)
+    }
+
+    fn unref(&mut self, owner: Holder, id: u64, n: u32) {
         if let Some(h) = self.held.get_mut(&owner) {
             let c = h.get_mut(&id).expect("validated");
             *c -= n;
@@ -395,17 +495,10 @@ impl CacheState {
                 // let the next request for these bytes start afresh.
                 self.remove(id);
             }
-        } else if writer_left && !r.abandoned {
+        } else if writer_left {
             // Others still hold it, but its bytes will never come: hide it from lookups
             // (the next request starts afresh) and let waiters fail now.
-            r.abandoned = true;
-            let key = r.digest.key;
-            if let Some(ids) = self.by_key.get_mut(&key) {
-                ids.retain(|&x| x != id);
-                if ids.is_empty() {
-                    self.by_key.remove(&key);
-                }
-            }
+            self.abandon(id);
         }
     }
 
@@ -423,6 +516,7 @@ impl CacheState {
         if r.refs == 0 {
             self.lru.remove(&r.last_use);
         }
+        self.unwritten.remove(&(r.created, id));
         if let Some(ids) = self.by_key.get_mut(&r.digest.key) {
             ids.retain(|&x| x != id);
             if ids.is_empty() {
@@ -437,8 +531,20 @@ impl CacheState {
     }
 
     pub fn set_data_ready(&mut self, ids: &[u64]) -> Result<(), CacheError> {
-        ids.iter().try_for_each(|&id| self.get_mut(id).map(|_| ()))?;
-        ids.iter().for_each(|id| self.records.get_mut(id).expect("checked").data_ready = true);
+        for &id in ids {
+            match self.records.get(&id) {
+                None => return Err(CacheError::UnknownItem(id)),
+                // Too late: the record was given up on, and may be dropped any moment.
+                Some(r) if r.abandoned => return Err(CacheError::Abandoned(id)),
+                Some(_) => {}
+            }
+        }
+        for &id in ids {
+            let r = self.records.get_mut(&id).expect("checked");
+            r.data_ready = true;
+            let created = r.created;
+            self.unwritten.remove(&(created, id));
+        }
         Ok(())
     }
 
@@ -460,7 +566,8 @@ impl CacheState {
 
     /// Takes a reference to each known item for `owner` (the encoder, while it encodes);
     /// `false` for items that are gone or abandoned (nothing taken for those).
-    pub fn pin(&mut self, owner: Owner, ids: &[u64]) -> Vec<bool> {
+    pub fn pin(&mut self, owner: impl Into<Holder>, ids: &[u64]) -> Vec<bool> {
+        let owner = owner.into();
         ids.iter()
             .map(|&id| match self.records.get(&id) {
                 Some(r) if !r.abandoned => {
@@ -491,6 +598,7 @@ impl CacheState {
             data_bytes: self.records.values().map(|r| r.data_len).sum(),
             data_bytes_total: self.pages.total() * DATA_PAGE,
             waiting: 0,
+            cancelled_leases: 0,
         }
     }
 
@@ -508,10 +616,48 @@ impl CacheState {
                 references: r.refs,
                 data_bytes: r.data_len,
                 embed_ready: r.embed_ready,
+                data_ready: r.data_ready,
+                stuck: self.is_stuck(r, now),
                 idle_ms: now.duration_since(r.last_use_at).as_millis() as u64,
                 age_ms: now.duration_since(r.created).as_millis() as u64,
             })
             .collect()
+    }
+
+    /// Referenced, but its bytes never came (abandoned, or past the data timeout): what
+    /// holds it is stuck or leaked.
+    fn is_stuck(&self, r: &Record, now: Instant) -> bool {
+        r.refs > 0 && !r.data_ready && (r.abandoned || now.duration_since(r.created) >= self.data_timeout)
+    }
+
+    /// Drops the record(s) with this md5 together with every reference to them: for
+    /// stuck items (see [`ItemInfo::stuck`]), or any item with `force`. A holder that
+    /// still uses a dropped item's slots would see them reused: this is an operator's
+    /// repair, not a routine eviction.
+    pub fn drop_item(&mut self, key: ItemKey, force: bool, now: Instant) -> Result<u64, AdminError> {
+        let ids: Vec<u64> = self.records.iter().filter(|(_, r)| r.digest.key == key).map(|(&id, _)| id).collect();
+        if ids.is_empty() {
+            return Err(AdminError::NotFound(key));
+        }
+        if !force && let Some(r) = ids.iter().map(|id| &self.records[id]).find(|r| !self.is_stuck(r, now)) {
+            return Err(AdminError::NotStuck { digest: key, references: r.refs });
+        }
+        for &id in &ids {
+            self.held.retain(|_, h| {
+                h.remove(&id);
+                !h.is_empty()
+            });
+            let r = self.records.get_mut(&id).expect("listed");
+            if r.refs > 0 {
+                r.refs = 0;
+                self.tick += 1;
+                r.last_use = self.tick;
+                self.lru.insert(self.tick, id);
+            }
+            self.remove(id);
+        }
+        self.evictions += ids.len() as u64;
+        Ok(ids.len() as u64)
     }
 
     /// Evicts the item(s) with this md5; refused if any is referenced.
@@ -568,6 +714,15 @@ impl CacheState {
         }
         if self.lru.len() != self.records.values().filter(|r| r.refs == 0).count() {
             return Err("LRU holds records that are gone".into());
+        }
+        let unwritten = self.records.iter().filter(|(_, r)| !r.data_ready && !r.abandoned);
+        if unwritten.clone().count() != self.unwritten.len()
+            || unwritten.into_iter().any(|(&id, r)| !self.unwritten.contains(&(r.created, id)))
+        {
+            return Err("the data deadlines disagree with the records".into());
+        }
+        if self.by_key.values().flatten().any(|id| self.records.get(id).is_none_or(|r| r.abandoned)) {
+            return Err("the index finds an abandoned or missing record".into());
         }
         if self.records.len() as u64 > self.limits.items {
             return Err("more records than the item limit".into());

@@ -1,7 +1,9 @@
 //! The cache's rules, on the state itself: sharing, LRU, capacity, owners, identity.
 
-use mmserve_embed_cache::state::{CacheState, DATA_PAGE, Limits, Owner, Refusal};
-use mmserve_protocol::{AllocItem, CacheError, ItemDigest, ItemKey, ItemRecord, Modality};
+use std::time::{Duration, Instant};
+
+use mmserve_embed_cache::state::{CacheState, DATA_PAGE, Holder, Limits, Owner, Refusal};
+use mmserve_protocol::{AdminError, AllocItem, CacheError, ItemDigest, ItemKey, ItemRecord, Modality};
 use proptest::prelude::*;
 
 fn digest(b: u8) -> ItemDigest {
@@ -19,7 +21,7 @@ fn limits(slots: u64, items: u64) -> Limits {
 const A: Owner = 1;
 const B: Owner = 2;
 
-fn alloc(s: &mut CacheState, owner: Owner, items: &[AllocItem]) -> Vec<ItemRecord> {
+fn alloc(s: &mut CacheState, owner: impl Into<Holder>, items: &[AllocItem]) -> Vec<ItemRecord> {
     let recs = s.try_alloc(owner, items).unwrap_or_else(|e| panic!("{e:?}"));
     let ids: Vec<u64> = recs.iter().filter(|r| r.write_data).map(|r| r.id).collect();
     s.set_data_ready(&ids).unwrap();
@@ -263,4 +265,73 @@ fn ids_start_where_the_instance_says() {
     let mut s = CacheState::with_first_id(limits(10, 10), 7 << 31);
     let a = alloc(&mut s, A, &[item(1, 1)]);
     assert_eq!(a[0].id, 7 << 31);
+}
+
+fn lease(conn: Owner, lease: u64) -> Holder {
+    Holder { conn, lease }
+}
+
+#[test]
+fn a_lease_gives_back_exactly_what_it_holds() {
+    let mut s = CacheState::new(limits(100, 10));
+    let one = alloc(&mut s, lease(A, 1), &[item(1, 5), item(2, 5)]);
+    let two = alloc(&mut s, lease(A, 2), &[item(2, 5)]);
+    alloc(&mut s, A, &[item(3, 5)]);
+    assert_eq!(s.release_lease(lease(A, 1)), 2);
+    assert_eq!(s.release_lease(lease(A, 1)), 0, "a lease is given back once");
+    assert!(!s.holds(lease(A, 1)) && s.holds(lease(A, 2)));
+    assert!(matches!(s.release(A, &ids(&two)), Err(CacheError::NotReferenced(_))), "lease 2's, not the connection's");
+    assert_eq!(s.stats().references, 2);
+    s.check().unwrap();
+    assert_eq!(s.release_owner(A), 2, "the connection's close takes every lease with it");
+    assert_eq!(s.stats().references, 0);
+    assert_eq!(one[1].id, two[0].id, "leases of one connection share records");
+    s.check().unwrap();
+}
+
+#[test]
+fn an_unwritten_item_is_abandoned_at_its_data_deadline() {
+    let mut s = CacheState::new(limits(100, 10)).with_data_timeout(Duration::from_secs(30));
+    let t0 = Instant::now();
+    let a = s.try_alloc(lease(A, 1), &[item(1, 5)]).unwrap(); // its writer never writes
+    let b = s.try_alloc(B, &[item(1, 5)]).unwrap();
+    assert!(a[0].write_data && !b[0].write_data);
+    assert!(s.data_deadline(&[b[0].id]).is_some_and(|d| d >= t0 + Duration::from_secs(30)));
+    assert_eq!(s.expire_unwritten(t0 + Duration::from_secs(29)), 0, "not yet");
+    assert_eq!(s.expire_unwritten(Instant::now() + Duration::from_secs(31)), 1);
+    assert!(matches!(s.data_ready(&[b[0].id]), Err(CacheError::Abandoned(_))), "waiters fail at once");
+    assert!(matches!(s.set_data_ready(&[a[0].id]), Err(CacheError::Abandoned(_))), "a late write is refused");
+    assert_eq!(s.data_deadline(&[b[0].id]), None);
+    let c = s.try_alloc(lease(A, 2), &[item(1, 5)]).unwrap();
+    assert!(c[0].write_data && c[0].id != a[0].id, "the next request starts afresh");
+    s.check().unwrap();
+    s.release_lease(lease(A, 1));
+    s.release(B, &ids(&b)).unwrap();
+    assert_eq!(s.stats().items, 1, "the abandoned record went with its last reference");
+    s.check().unwrap();
+    // An unreferenced unwritten record cannot exist, and a written one never expires.
+    s.set_data_ready(&ids(&c)).unwrap();
+    assert_eq!(s.expire_unwritten(Instant::now() + Duration::from_secs(3600)), 0);
+    s.check().unwrap();
+}
+
+#[test]
+fn stuck_items_are_listed_and_dropped_with_their_references() {
+    let mut s = CacheState::new(limits(100, 10)).with_data_timeout(Duration::ZERO);
+    let leaked = s.try_alloc(lease(A, 1), &[item(1, 5)]).unwrap(); // never written, never released
+    alloc(&mut s, B, &[item(2, 5)]); // written, in use
+    let listed = s.list();
+    let info = |b: u8| listed.iter().find(|i| i.digest == ItemKey([b; 16])).unwrap().clone();
+    assert!(info(1).stuck && !info(1).data_ready);
+    assert!(!info(2).stuck && info(2).data_ready);
+    assert!(matches!(s.drop_item(ItemKey([2; 16]), false, Instant::now()), Err(AdminError::NotStuck { .. })));
+    assert_eq!(s.drop_item(ItemKey([1; 16]), false, Instant::now()).unwrap(), 1);
+    assert_eq!(s.stats().references, 1);
+    assert_eq!(s.release_lease(lease(A, 1)), 0, "its references went with it");
+    assert!(matches!(s.data_ready(&ids(&leaked)), Err(CacheError::UnknownItem(_))));
+    s.check().unwrap();
+    assert_eq!(s.drop_item(ItemKey([2; 16]), true, Instant::now()).unwrap(), 1, "force drops a referenced item");
+    assert_eq!((s.stats().items, s.stats().references, s.stats().slots_used), (0, 0, 0));
+    assert!(matches!(s.drop_item(ItemKey([9; 16]), true, Instant::now()), Err(AdminError::NotFound(_))));
+    s.check().unwrap();
 }
