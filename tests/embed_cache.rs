@@ -473,3 +473,88 @@ async fn an_alloc_overtaken_by_its_leases_release_is_refused() {
     drop(c);
     cache.stop();
 }
+
+/// A flood of connections to the admin port from someone without the token: new ones
+/// beyond the cap are closed at once, unauthenticated ones after the auth timeout; the
+/// data path never notices, and operators get in once the flood is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_connection_flood_neither_wedges_the_admin_nor_the_data_path() {
+    use std::io::Read;
+    let dir = temp_dir("flood");
+    let cache = CacheProc::start_with(
+        &dir.join("c.sock"),
+        &format!("mmserve-test-flood-{}", std::process::id()),
+        100,
+        100,
+        Some("s3cret"),
+        &["--admin-max-connections", "16", "--admin-auth-timeout-s", "1"],
+    );
+    let admin = cache.admin.clone();
+    let flood: Vec<std::net::TcpStream> =
+        (0..500).filter_map(|_| std::net::TcpStream::connect(&admin).ok()).collect();
+    assert!(flood.len() > 100, "the flood connects ({} of 500)", flood.len());
+    // The data path serves on, flood or not.
+    let c = cache.client().await;
+    let t0 = std::time::Instant::now();
+    let ids = alloc(&c, vec![item(1, 10)], 0).await.unwrap();
+    release(&c, ids).await;
+    assert!(t0.elapsed() < Duration::from_secs(2), "the data path waited {:?}", t0.elapsed());
+    // Every flood connection is closed by the server: beyond the cap at once, the
+    // others when their auth timeout passes.
+    for mut s in flood {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Err(e) if !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            other => panic!("an unauthenticated connection stays open: {other:?}"),
+        }
+    }
+    let (ok, out, err) = cli(&admin, "s3cret", &["stats", "--json"]);
+    assert!(ok, "the admin answers after the flood: {err}");
+    assert!(out.contains("\"items\""), "{out}");
+    drop(c);
+    cache.stop();
+}
+
+/// An item whose uploader never writes its bytes: waiting for it fails at the data
+/// deadline instead of the waiter's own timeout, it shows as stuck, and `drop` removes
+/// it with the reference that pinned it.
+#[tokio::test]
+async fn a_stuck_item_fails_its_waiters_at_the_deadline_and_can_be_dropped() {
+    let dir = temp_dir("stuck");
+    let cache = CacheProc::start_with(
+        &dir.join("c.sock"),
+        &format!("mmserve-test-stuck-{}", std::process::id()),
+        100,
+        100,
+        Some("s3cret"),
+        &["--embed-cache-data-timeout-s", "0.5"],
+    );
+    let (uploader, other) = (cache.client().await, cache.client().await);
+    let a = uploader.alloc(deadline(T), 1, vec![item(1, 10)], 0).await.unwrap().unwrap();
+    assert!(a.records[0].write_data); // ... and never writes
+    let b = other.alloc(deadline(T), 0, vec![item(1, 10)], 0).await.unwrap().unwrap();
+    assert!(!b.records[0].write_data && b.records[0].id == a.records[0].id);
+    let t0 = std::time::Instant::now();
+    let r = other.wait_items_data(deadline(T), vec![b.records[0].id], 10_000).await.unwrap();
+    assert!(matches!(r, Err(CacheError::Abandoned(_))), "{r:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "failed at the data deadline, not after 10 s");
+    release(&other, vec![b.records[0].id]).await;
+
+    let (ok, out, err) = cli(&cache.admin, "s3cret", &["ls", "--stuck", "--json"]);
+    assert!(ok, "{err}");
+    let stuck: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(stuck.len(), 1, "{out}");
+    assert_eq!(stuck[0]["references"], 1);
+    let digest = stuck[0]["digest"].as_str().unwrap().to_string();
+    let (ok, out, err) = cli(&cache.admin, "s3cret", &["drop", &digest]);
+    assert!(ok && out.contains("dropped 1"), "{out}{err}");
+    let stats = other.stats(deadline(T)).await.unwrap();
+    assert_eq!((stats.items, stats.references, stats.slots_used), (0, 0, 0));
+    // The next request for the same bytes starts afresh.
+    let again = other.alloc(deadline(T), 0, vec![item(1, 10)], 0).await.unwrap().unwrap();
+    assert!(again.records[0].write_data);
+    drop((uploader, other));
+    cache.stop();
+}

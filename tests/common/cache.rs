@@ -49,6 +49,18 @@ pub fn temp_dir(name: &str) -> TestDir {
 impl CacheProc {
     /// Starts a cache of `slots` slots of 4 values, `items` items, 1 MiB of data.
     pub fn start(socket: &Path, prefix: &str, slots: u64, items: u64, token: Option<&str>) -> CacheProc {
+        Self::start_with(socket, prefix, slots, items, token, &[])
+    }
+
+    /// As [`start`](Self::start), with more flags.
+    pub fn start_with(
+        socket: &Path,
+        prefix: &str,
+        slots: u64,
+        items: u64,
+        token: Option<&str>,
+        extra: &[&str],
+    ) -> CacheProc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_mmserve"));
         cmd.args(["embed-cache", "--socket"])
             .arg(socket)
@@ -57,6 +69,7 @@ impl CacheProc {
             .args(["--embed-cache-items", &items.to_string()])
             .args(["--embed-cache-data-size", "1MiB", "--embed-cache-request-share", "1"])
             .args(["--admin-addr", "127.0.0.1:0"])
+            .args(extra)
             .env("MMSERVE_LOG", "warn")
             .env_remove("MMSERVE_ADMIN_TOKEN")
             .stdout(Stdio::piped())
