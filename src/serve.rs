@@ -35,6 +35,8 @@ pub struct ServeArgs {
     pub embed_cache_wait_timeout_s: u64,
     #[command(flatten)]
     pub media: mmserve_api::MediaArgs,
+    #[command(flatten)]
+    pub load: mmserve_api::LoadArgs,
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
@@ -194,6 +196,7 @@ async fn start_all(
         args.embed_cache_wait_timeout_s.to_string(),
     ];
     api_args.extend(args.media.to_args());
+    api_args.extend(args.load.to_args());
     let timeout = Duration::from_secs(args.ready_timeout_s);
     if args.embed_cache_socket.is_none() {
         // The token travels in the environment, not on the command line (ps shows that).

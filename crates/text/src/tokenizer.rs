@@ -15,6 +15,7 @@ pub struct TextTokenizer {
     eos_token: Option<String>,
     eos_ids: Vec<u32>,
     special_ids: HashSet<u32>,
+    max_token_bytes: usize,
 }
 
 /// A special token in `tokenizer_config.json`: a string or `{"content": …}`.
@@ -66,14 +67,26 @@ impl TextTokenizer {
         }
         let special_ids =
             inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
-        TextTokenizer { inner, bos_token, eos_token, eos_ids, special_ids }
+        // UTF-8 bytes of the longest vocabulary entry: no token stands for more text
+        // (byte-level and SentencePiece spellings take at least as many bytes as the
+        // text they stand for).
+        let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        TextTokenizer { inner, bos_token, eos_token, eos_ids, special_ids, max_token_bytes }
+    }
+
+    /// Most bytes of text one token stands for: `text.len() / max_token_bytes()` tokens
+    /// at least, whatever the text (up to what normalisation removes).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// Tokenizes a rendered chat prompt. The tokenizer's post-processor adds BOS unless
     /// the template already wrote it (templates differ on this).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TextError> {
         let add_special = !self.bos_token.as_deref().is_some_and(|b| !b.is_empty() && text.starts_with(b));
-        let enc = self.inner.encode(text, add_special).map_err(|e| TextError::Encode(e.to_string()))?;
+        // No offsets: they would cost more memory than the ids (a prompt's encoding is
+        // many times its text's size).
+        let enc = self.inner.encode_fast(text, add_special).map_err(|e| TextError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 

@@ -14,6 +14,15 @@ pub enum ApiError {
     PayloadTooLarge(String),
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
+    /// Overloaded: shed before any work, with the seconds after which to retry.
+    #[error("{message}")]
+    Overloaded { message: String, retry_after_s: u64 },
+    #[error("Unknown route: {method} {path}")]
+    RouteNotFound { method: String, path: String },
+    #[error("Method {method} is not allowed for {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("{0}")]
+    Timeout(String),
     #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
@@ -33,7 +42,10 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -45,6 +57,10 @@ impl ApiError {
             ApiError::BadRequest { .. } => ("invalid_request_error", None),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large")),
             ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            ApiError::RouteNotFound { .. } => ("invalid_request_error", Some("unknown_url")),
+            ApiError::MethodNotAllowed { .. } => ("invalid_request_error", Some("method_not_allowed")),
+            ApiError::Overloaded { .. } => ("rate_limit_error", Some("server_overloaded")),
+            ApiError::Timeout(_) => ("invalid_request_error", Some("request_timeout")),
             ApiError::Unavailable(_) => ("service_unavailable", None),
             ApiError::Internal(_) => ("internal_error", None),
         };
@@ -61,7 +77,11 @@ impl IntoResponse for ApiError {
         if self.status().is_server_error() {
             tracing::warn!("{self}");
         }
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut response = (self.status(), axum::Json(self.body())).into_response();
+        if let ApiError::Overloaded { retry_after_s, .. } = &self {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, (*retry_after_s).into());
+        }
+        response
     }
 }
 

@@ -12,10 +12,12 @@ use mmserve_protocol::{
 };
 use tokio::sync::mpsc;
 
+use crate::cpu;
 use crate::error::ApiError;
+use crate::load::Queued;
 use crate::media::{MediaItem, check_kind, prepare};
 use crate::openai::ChatRequest;
-use crate::prompt::{expand, parse_messages, tokenize};
+use crate::prompt::{check_text_fits, expand, parse_messages, tokenize};
 use crate::state::AppState;
 
 /// Holds a request's cache references and its place in the engine. Dropping it (the
@@ -28,9 +30,16 @@ pub struct RequestGuard {
     running: Vec<u64>,
     /// Exists before the alloc is sent.
     lease: Option<Lease>,
+    /// The request's place among those waiting for their first token.
+    queued: Queued,
 }
 
 impl RequestGuard {
+    /// The request produced its first event: it no longer counts as queued.
+    pub fn first_token(&mut self) {
+        self.queued.leave();
+    }
+
     /// The engine finished this choice by itself: no abort needed.
     pub fn mark_finished(&mut self, request_id: u64) {
         self.running.retain(|&r| r != request_id);
@@ -73,6 +82,18 @@ pub struct Started {
 
 fn rpc<T>(service: &'static str, r: Result<T, tarpc::client::RpcError>) -> Result<T, ApiError> {
     r.map_err(|e| RpcFailure::new(service, e).into())
+}
+
+/// Prompts with more text than this hand the memory their tokenizing took back to the
+/// system (the process keeps freed memory otherwise; see `keep_freed_memory`).
+const LARGE_TEXT: usize = 1 << 20;
+
+fn give_memory_back() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Most choices per request and stop strings per request.
@@ -170,7 +191,7 @@ fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<(S
     Ok((params, n as usize))
 }
 
-pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, ApiError> {
+pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued) -> Result<Started, ApiError> {
     if let Some(model) = &req.model
         && model != &state.model_name
     {
@@ -190,7 +211,19 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     for src in &parsed.items {
         check_kind(src, &state.limits.model, &state.model_name)?;
     }
-    let ids = tokenize(&state.template, &state.tokenizer, &parsed.template_messages)?;
+    check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
+    let ids = {
+        let (st, messages, text_bytes) = (state.clone(), parsed.template_messages.clone(), parsed.text_bytes);
+        cpu::run(&state.limits.cpu_slots, "tokenizing prompts", move || {
+            let ids = tokenize(&st.template, &st.tokenizer, &messages);
+            drop(messages);
+            if text_bytes > LARGE_TEXT {
+                give_memory_back();
+            }
+            ids
+        })
+        .await??
+    };
 
     // Media: fetched, checked and keyed, all items at once.
     let items: Vec<MediaItem> =
@@ -201,9 +234,10 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest) -> Result<Started, 
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
     let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens + audio_tokens;
     let (params, n) = sampling(req, prompt_len, state.max_model_len)?;
+    queued.add_prompt_tokens(prompt_len)?;
 
     let request_id = state.new_request_id();
-    let mut guard = RequestGuard { state: state.clone(), running: Vec::new(), lease: None };
+    let mut guard = RequestGuard { state: state.clone(), running: Vec::new(), lease: None, queued };
     let (cache_instance, records) = reserve(state, &items, &mut guard).await?;
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();

@@ -3,10 +3,13 @@
 //! Only this crate knows OpenAI JSON ([`openai`]); every error becomes an HTTP
 //! response in one place ([`error`]). A request's path is in [`generate`].
 
+pub mod cpu;
 pub mod dispatch;
 pub mod error;
 pub mod fetch;
 pub mod generate;
+pub mod http;
+pub mod load;
 pub mod media;
 pub mod openai;
 pub mod prompt;
@@ -52,6 +55,8 @@ pub struct ApiArgs {
     pub engine_socket: PathBuf,
     #[command(flatten)]
     pub media: MediaArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// Longest wait in line for embed-cache capacity, in seconds (then 503).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
     pub embed_cache_wait_timeout_s: u64,
@@ -102,6 +107,41 @@ pub struct MediaArgs {
     /// length, else counted while decoding. The model hears the first 30 s.
     #[arg(long, env = "MMSERVE_MAX_AUDIO_SECONDS", default_value_t = 600.0)]
     pub max_audio_seconds: f64,
+}
+
+/// Bounds on the load one api process takes (also flags of `serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadArgs {
+    /// Most requests waiting for their first token (fetching media, waiting for the
+    /// cache, the encoder or the engine); beyond it new requests get 429 with Retry-After.
+    #[arg(long, env = "MMSERVE_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    pub max_queued_requests: usize,
+    /// Most prompt tokens of the requests waiting for their first token (0: 256 times
+    /// the model's context); beyond it new requests get 429 with Retry-After.
+    #[arg(long, env = "MMSERVE_MAX_QUEUED_PROMPT_TOKENS", default_value_t = 0)]
+    pub max_queued_prompt_tokens: u64,
+    /// Most open HTTP connections; more wait in the listen backlog.
+    #[arg(long, env = "MMSERVE_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (also the idle limit of a
+    /// kept-alive connection); then the connection is closed.
+    #[arg(long, env = "MMSERVE_HEADER_READ_TIMEOUT_S", default_value_t = 10)]
+    pub header_read_timeout_s: u64,
+    /// Seconds a client has to send a request's body; then 408.
+    #[arg(long, env = "MMSERVE_BODY_READ_TIMEOUT_S", default_value_t = 60)]
+    pub body_read_timeout_s: u64,
+}
+
+impl LoadArgs {
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            format!("--max-queued-requests={}", self.max_queued_requests),
+            format!("--max-queued-prompt-tokens={}", self.max_queued_prompt_tokens),
+            format!("--max-connections={}", self.max_connections),
+            format!("--header-read-timeout-s={}", self.header_read_timeout_s),
+            format!("--body-read-timeout-s={}", self.body_read_timeout_s),
+        ]
+    }
 }
 
 impl MediaArgs {
@@ -211,6 +251,11 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         .await
         .map_err(|e| ApiServiceError::Connect { service: "engine", message: e.to_string() })?;
 
+    let queued_tokens = match args.load.max_queued_prompt_tokens {
+        0 => info.max_model_len.saturating_mul(256),
+        n => n,
+    };
+    let load = load::LoadGate::new(args.load.max_queued_requests.max(1), queued_tokens);
     let state = AppState::new(
         name,
         tokenizer,
@@ -236,11 +281,13 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         info.max_model_len,
         (cache, encoder, engine),
         arena,
+        load,
         Timeouts {
             rpc: Duration::from_secs(10),
             cache_wait: Duration::from_secs(args.embed_cache_wait_timeout_s),
             encode: Duration::from_secs(300),
             token: Duration::from_secs(args.token_timeout_s),
+            body: Duration::from_secs(args.load.body_read_timeout_s),
         },
     );
     Ok(Arc::new(state))
@@ -260,15 +307,10 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
     let local: SocketAddr = listener.local_addr().map_err(|source| ApiServiceError::Listen { addr, source })?;
     mmserve_protocol::ready::announce_with("api", &format!("http://{local}"));
     let app = routes::router(state, args.media.max_body_bytes);
-    // Tokens stream as small writes: without TCP_NODELAY, Nagle holds each behind the
-    // client's delayed ACK of the last one (40 ms stalls between events).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|source| ApiServiceError::Listen { addr: local.to_string(), source })
+    let limits = http::HttpLimits {
+        max_connections: args.load.max_connections,
+        header_read_timeout: Duration::from_secs(args.load.header_read_timeout_s.max(1)),
+    };
+    http::serve(listener, app, limits, shutdown).await;
+    Ok(())
 }

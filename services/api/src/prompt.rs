@@ -19,6 +19,8 @@ pub enum ItemSource {
 pub struct ParsedMessages {
     pub template_messages: Value,
     pub items: Vec<ItemSource>,
+    /// Bytes of text in all messages.
+    pub text_bytes: usize,
 }
 
 pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> {
@@ -27,6 +29,7 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
     }
     let mut out = Vec::with_capacity(messages.len());
     let mut items = Vec::new();
+    let mut text_bytes = 0usize;
     for (i, m) in messages.iter().enumerate() {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
             return Err(ApiError::bad_param("messages", format!("messages[{i}]: unsupported role {:?}", m.role)));
@@ -35,14 +38,20 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
         // a list of one text part.
         let parts: Vec<Value> = match &m.content {
             None => Vec::new(),
-            Some(Content::Text(t)) => vec![json!({"type": "text", "text": t})],
+            Some(Content::Text(t)) => {
+                text_bytes += t.len();
+                vec![json!({"type": "text", "text": t})]
+            }
             Some(Content::Parts(parts)) => {
                 let mut v = Vec::with_capacity(parts.len());
                 for (j, p) in parts.iter().enumerate() {
                     match parse_part(p, &format!("messages[{i}].content[{j}]"))
                         .map_err(|e| ApiError::bad_param("messages", e))?
                     {
-                        Part::Text(t) => v.push(json!({"type": "text", "text": t})),
+                        Part::Text(t) => {
+                            text_bytes += t.len();
+                            v.push(json!({"type": "text", "text": t}))
+                        }
                         Part::ImageUrl(url) => {
                             items.push(ItemSource::Image(url));
                             v.push(json!({"type": "image"}));
@@ -58,7 +67,23 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
         };
         out.push(json!({"role": m.role, "content": parts}));
     }
-    Ok(ParsedMessages { template_messages: Value::Array(out), items })
+    Ok(ParsedMessages { template_messages: Value::Array(out), items, text_bytes })
+}
+
+/// Refuses, before any tokenizing, text that cannot fit the context whatever it says:
+/// no token stands for more than `max_token_bytes` of text (halved for what
+/// normalisation may remove). Tokenizing costs many times the text's size in memory.
+pub fn check_text_fits(text_bytes: usize, max_token_bytes: usize, context: u64) -> Result<(), ApiError> {
+    let at_least = text_bytes / (2 * max_token_bytes.max(1));
+    if at_least as u64 > context {
+        return Err(ApiError::bad_param(
+            "messages",
+            format!(
+                "the messages hold {text_bytes} bytes of text, at least {at_least} tokens: more than this model's context of {context} tokens"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Renders and tokenizes; returns the ids with placeholders still in place.

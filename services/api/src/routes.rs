@@ -6,9 +6,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -23,13 +23,46 @@ use crate::openai::*;
 use crate::state::{AppState, Metrics};
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    let chat = move |State(state): State<Arc<AppState>>, body: Body| chat(state, body, max_body_bytes);
     Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .route("/v1/chat/completions", post(chat).fallback(method_not_allowed))
+        .route("/v1/models", get(models).fallback(method_not_allowed))
+        .route("/health", get(health).fallback(method_not_allowed))
+        .route("/metrics", get(metrics).fallback(method_not_allowed))
+        .fallback(not_found)
         .with_state(state)
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::RouteNotFound { method: method.to_string(), path: uri.path().to_string() }
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_string() }
+}
+
+/// The body, at most `limit` bytes (413 beyond), within the body timeout (408).
+async fn read_body(state: &AppState, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let read = async {
+        let mut chunks = body.into_data_stream();
+        let mut buf = bytes::BytesMut::new();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| ApiError::bad(format!("reading the request body: {e}")))?;
+            if buf.len() + chunk.len() > limit {
+                return Err(ApiError::PayloadTooLarge(format!(
+                    "the request body is larger than the limit of {limit} bytes (--max-body-bytes)"
+                )));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf.freeze())
+    };
+    tokio::time::timeout(state.timeouts.body, read).await.map_err(|_| {
+        ApiError::Timeout(format!(
+            "the request body did not arrive within {} s (--body-read-timeout-s)",
+            state.timeouts.body.as_secs()
+        ))
+    })?
 }
 
 fn now() -> u64 {
@@ -45,26 +78,26 @@ fn finish_name(r: &FinishReason) -> &'static str {
     }
 }
 
-async fn chat(State(state): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat(state: Arc<AppState>, body: Body, max_body_bytes: usize) -> Response {
     Metrics::add(&state.metrics.requests, 1);
-    let result = chat_inner(&state, body).await;
+    let result = chat_inner(&state, body, max_body_bytes).await;
     result.unwrap_or_else(|e| {
         Metrics::add(&state.metrics.failed, 1);
+        if matches!(e, ApiError::Overloaded { .. }) {
+            Metrics::add(&state.metrics.shed, 1);
+        }
         e.into_response()
     })
 }
 
-async fn chat_inner(state: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let body = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge(format!("the request body is larger than the limit: {}", r.body_text()))
-        } else {
-            ApiError::bad(r.body_text())
-        }
-    })?;
+async fn chat_inner(state: &Arc<AppState>, body: Body, max_body_bytes: usize) -> Result<Response, ApiError> {
+    // Shed load before doing anything for the request, reading its body included.
+    let queued = state.load.enter()?;
+    let body = read_body(state, body, max_body_bytes).await?;
     let req: ChatRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid chat completion request: {e}")))?;
-    let started = start(state, &req).await?;
+    drop(body);
+    let started = start(state, &req, queued).await?;
     Metrics::add(&state.metrics.prompt_tokens, started.prompt_ids.len() as u64);
     let id = format!("chatcmpl-{:x}", state.new_request_id());
     if req.stream {
@@ -140,6 +173,7 @@ async fn collect(
         let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), None::<Logprobs>);
         let finish = loop {
             let ev = next_event(state, events).await?;
+            started.guard.first_token();
             if let (Some(t), Some(lp)) = (ev.token_id, &ev.logprobs) {
                 logprobs.get_or_insert_with(Logprobs::default).content.push(token_logprob(state, t, lp));
             }
@@ -295,6 +329,7 @@ fn stream(
 
 impl StreamState {
     fn on_event(&mut self, index: usize, ev: OutputEvent) {
+        self.started.guard.first_token();
         if ev.token_id.is_some() {
             self.completion += 1;
             Metrics::add(&self.state.metrics.generation_tokens, 1);
@@ -398,6 +433,15 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     };
     let m = &state.metrics;
     line("mmserve_requests_total", "counter", "Chat completion requests received.", m.requests.load(Ordering::Relaxed));
+    let (queued, queued_tokens) = state.load.queued();
+    line("mmserve_queued_requests", "gauge", "Requests waiting for their first token.", queued as u64);
+    line("mmserve_queued_prompt_tokens", "gauge", "Prompt tokens of the requests waiting.", queued_tokens);
+    line(
+        "mmserve_requests_shed_total",
+        "counter",
+        "Requests refused with 429 (queue full).",
+        m.shed.load(Ordering::Relaxed),
+    );
     line(
         "mmserve_requests_failed_total",
         "counter",

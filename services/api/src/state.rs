@@ -9,6 +9,7 @@ use mmserve_protocol::{ArenaInfo, EncoderClient, EngineClient, RpcFailure, deadl
 use mmserve_text::{ChatTemplate, TextTokenizer};
 
 use crate::dispatch::Dispatcher;
+use crate::load::LoadGate;
 use crate::media::MediaLimits;
 
 pub struct AppState {
@@ -32,6 +33,7 @@ pub struct AppState {
     next_request: AtomicU64,
     pub metrics: Metrics,
     pub timeouts: Timeouts,
+    pub load: Arc<LoadGate>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -42,12 +44,16 @@ pub struct Timeouts {
     pub encode: std::time::Duration,
     /// Longest wait for the next token of a running request.
     pub token: std::time::Duration,
+    /// Longest wait for a request's body.
+    pub body: std::time::Duration,
 }
 
 #[derive(Default)]
 pub struct Metrics {
     pub requests: AtomicU64,
     pub failed: AtomicU64,
+    /// Refused with 429 before any work.
+    pub shed: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
 }
@@ -70,6 +76,7 @@ impl AppState {
         max_model_len: u64,
         clients: (CacheConnection, EncoderClient, EngineClient),
         arena: ArenaView,
+        load: Arc<LoadGate>,
         timeouts: Timeouts,
     ) -> Self {
         let client_id = u64::from(std::process::id());
@@ -90,6 +97,7 @@ impl AppState {
             next_request: AtomicU64::new(1),
             metrics: Metrics::default(),
             timeouts,
+            load,
         }
     }
 
