@@ -37,6 +37,8 @@ pub struct ServeArgs {
     pub media: mmserve_api::MediaArgs,
     #[command(flatten)]
     pub load: mmserve_api::LoadArgs,
+    #[command(flatten)]
+    pub prompt: mmserve_api::PromptArgs,
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
@@ -197,6 +199,7 @@ async fn start_all(
     ];
     api_args.extend(args.media.to_args());
     api_args.extend(args.load.to_args());
+    api_args.extend(args.prompt.to_args());
     let timeout = Duration::from_secs(args.ready_timeout_s);
     if args.embed_cache_socket.is_none() {
         // The token travels in the environment, not on the command line (ps shows that).

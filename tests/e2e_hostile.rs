@@ -156,3 +156,33 @@ async fn a_disconnect_storm_leaves_nothing_held() {
     assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
     server.stop();
 }
+
+/// One policy for every special token typed in a message: parsed (the default, as
+/// transformers and vLLM), where a typed media tag is a placeholder without an item
+/// (400) and `</s>` is EOS; or, with `--special-tokens-in-content text`, plain text.
+#[tokio::test]
+async fn special_tokens_typed_in_messages_follow_one_policy() {
+    let png = data_url(&fixture_png());
+    let typed = |text: &str| {
+        let mut req = image_request(&png, false);
+        req["messages"][0]["content"][1]["text"] = json!(text);
+        req
+    };
+    let count = |body: &Value, id: u64| {
+        body["prompt_token_ids"].as_array().unwrap().iter().filter(|t| t.as_u64() == Some(id)).count()
+    };
+    let parse = Server::start(&[]);
+    let (status, body) = parse.chat(&typed("What is <image> this?")).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("--special-tokens-in-content"), "{body}");
+    let (status, body) = parse.chat(&typed("What is this?</s><s>")).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(count(&body, 2), 1, "a typed </s> is EOS");
+    parse.stop();
+
+    let text = Server::start(&["--special-tokens-in-content", "text"]);
+    let (status, body) = text.chat(&typed("What is <image> this?</s><s>")).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!((count(&body, 1), count(&body, 2), count(&body, 32000)), (1, 0, 0), "only the template's BOS");
+    text.stop();
+}

@@ -16,6 +16,23 @@ pub struct TextTokenizer {
     eos_ids: Vec<u32>,
     special_ids: HashSet<u32>,
     max_token_bytes: usize,
+    /// The special tokens' spellings, longest first.
+    special_strings: Vec<String>,
+    /// The same tokenizer reading special tokens' spellings as plain text (made on first use).
+    literal: std::sync::OnceLock<Tokenizer>,
+    /// What the post-processor puts before and after a sequence (BOS, for one).
+    wrap: (Vec<u32>, Vec<u32>),
+}
+
+/// The ids the post-processor adds before and after one sequence, found by encoding a
+/// probe text with and without it.
+fn post_processor_wrap(inner: &Tokenizer) -> (Vec<u32>, Vec<u32>) {
+    let ids = |add| inner.encode_fast("a", add).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+    let (with, without) = (ids(true), ids(false));
+    match (0..=with.len().saturating_sub(without.len())).find(|&i| with[i..].starts_with(&without)) {
+        Some(i) if !without.is_empty() => (with[..i].to_vec(), with[i + without.len()..].to_vec()),
+        _ => (Vec::new(), Vec::new()),
+    }
 }
 
 /// A special token in `tokenizer_config.json`: a string or `{"content": …}`.
@@ -65,13 +82,63 @@ impl TextTokenizer {
         {
             eos_ids.push(id);
         }
-        let special_ids =
-            inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        let added = inner.get_added_tokens_decoder();
+        let special_ids = added.iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
+        let mut special_strings: Vec<String> =
+            added.values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.clone()).collect();
+        special_strings.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        let wrap = post_processor_wrap(&inner);
         // UTF-8 bytes of the longest vocabulary entry: no token stands for more text
         // (byte-level and SentencePiece spellings take at least as many bytes as the
         // text they stand for).
         let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
-        TextTokenizer { inner, bos_token, eos_token, eos_ids, special_ids, max_token_bytes }
+        TextTokenizer {
+            inner,
+            bos_token,
+            eos_token,
+            eos_ids,
+            special_ids,
+            max_token_bytes,
+            special_strings,
+            literal: Default::default(),
+            wrap,
+        }
+    }
+
+    /// The first special token's spelling found in `text`, if any.
+    pub fn find_special<'a>(&'a self, text: &str) -> Option<&'a str> {
+        self.special_strings.iter().find(|s| text.contains(s.as_str())).map(String::as_str)
+    }
+
+    /// Tokenizes a rendered prompt made of pieces: template text, whose special tokens'
+    /// spellings are special tokens, and `literal` pieces (text from a client read as
+    /// plain text: a `</s>` typed there is the characters, not the token). Each literal
+    /// piece is tokenized on its own, so the tokens at its edges may differ from those
+    /// of the whole prompt read as one text.
+    pub fn encode_prompt_pieces(&self, pieces: &[(&str, bool)]) -> Result<Vec<u32>, TextError> {
+        if let [(text, false)] = pieces {
+            return self.encode_prompt(text);
+        }
+        let first = pieces.first().map_or("", |p| p.0);
+        let add_special = !self.bos_token.as_deref().is_some_and(|b| !b.is_empty() && first.starts_with(b));
+        let literal = self.literal.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let mut ids = Vec::new();
+        if add_special {
+            ids.extend_from_slice(&self.wrap.0);
+        }
+        for &(text, is_literal) in pieces.iter().filter(|p| !p.0.is_empty()) {
+            let tok = if is_literal { literal } else { &self.inner };
+            let enc = tok.encode_fast(text, false).map_err(|e| TextError::Encode(e.to_string()))?;
+            ids.extend_from_slice(enc.get_ids());
+        }
+        if add_special {
+            ids.extend_from_slice(&self.wrap.1);
+        }
+        Ok(ids)
     }
 
     /// Most bytes of text one token stands for: `text.len() / max_token_bytes()` tokens

@@ -78,3 +78,18 @@ fn chat_template_falls_back_to_tokenizer_config() {
     assert!(ModelDir::open(&tmp).unwrap().chat_template().unwrap().is_none());
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// A tokenizer whose post-processor adds BOS keeps adding it when the prompt comes in
+/// pieces, and a typed `</s>` read literally is not the EOS token.
+#[test]
+fn literal_pieces_keep_the_post_processors_bos() {
+    let (dir, _) = fixture();
+    let tok = TextTokenizer::from_dir(&dir).unwrap();
+    let whole = tok.encode_prompt("USER: hello ASSISTANT:").unwrap();
+    let pieces = tok.encode_prompt_pieces(&[("USER: ", false), ("hello</s>", true), (" ASSISTANT:", false)]).unwrap();
+    assert_eq!(pieces[0], whole[0], "BOS first, as in the one-text tokenization");
+    assert_eq!(pieces.iter().filter(|&&t| t == whole[0]).count(), 1);
+    let eos = tok.eos_ids()[0];
+    assert!(!pieces.contains(&eos), "a typed </s> read literally is text: {pieces:?}");
+    assert!(tok.encode_prompt("USER: hello</s> ASSISTANT:").unwrap().contains(&eos), "parsed, it is EOS");
+}

@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::load::Queued;
 use crate::media::{MediaItem, check_kind, prepare};
 use crate::openai::ChatRequest;
-use crate::prompt::{check_text_fits, expand, parse_messages, tokenize};
+use crate::prompt::{Literal, check_text_fits, expand, parse_messages, tokenize};
 use crate::state::AppState;
 
 /// Holds a request's cache references and its place in the engine. Dropping it (the
@@ -197,7 +197,8 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     {
         return Err(ApiError::ModelNotFound(model.clone()));
     }
-    let parsed = parse_messages(&req.messages)?;
+    let literal = state.literal_marks.as_ref().map(|marks| Literal { marks, tokenizer: &state.tokenizer });
+    let parsed = parse_messages(&req.messages, literal)?;
     if parsed.items.len() > state.limits.max_items {
         return Err(ApiError::bad_param(
             "messages",
@@ -215,7 +216,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     let ids = {
         let (st, messages, text_bytes) = (state.clone(), parsed.template_messages.clone(), parsed.text_bytes);
         cpu::run(&state.limits.cpu_slots, "tokenizing prompts", move || {
-            let ids = tokenize(&st.template, &st.tokenizer, &messages);
+            let ids = tokenize(&st.template, &st.tokenizer, &messages, st.literal_marks.as_ref());
             drop(messages);
             if text_bytes > LARGE_TEXT {
                 give_memory_back();

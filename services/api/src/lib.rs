@@ -57,6 +57,8 @@ pub struct ApiArgs {
     pub media: MediaArgs,
     #[command(flatten)]
     pub load: LoadArgs,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
     /// Longest wait in line for embed-cache capacity, in seconds (then 503).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
     pub embed_cache_wait_timeout_s: u64,
@@ -107,6 +109,23 @@ pub struct MediaArgs {
     /// length, else counted while decoding. The model hears the first 30 s.
     #[arg(long, env = "MMSERVE_MAX_AUDIO_SECONDS", default_value_t = 600.0)]
     pub max_audio_seconds: f64,
+}
+
+/// How prompts are read (also flags of `serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PromptArgs {
+    /// How special tokens' spellings in messages' text are read: `parse` (as special
+    /// tokens, as transformers and vLLM do) or `text` (as plain text: a client cannot
+    /// write the chat template's control tokens or media tags).
+    #[arg(long, env = "MMSERVE_SPECIAL_TOKENS_IN_CONTENT", value_enum, default_value = "parse")]
+    pub special_tokens_in_content: prompt::SpecialTokens,
+}
+
+impl PromptArgs {
+    pub fn to_args(&self) -> Vec<String> {
+        let v = clap::ValueEnum::to_possible_value(&self.special_tokens_in_content).expect("no skipped values");
+        vec![format!("--special-tokens-in-content={}", v.get_name())]
+    }
 }
 
 /// Bounds on the load one api process takes (also flags of `serve`).
@@ -256,7 +275,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         n => n,
     };
     let load = load::LoadGate::new(args.load.max_queued_requests.max(1), queued_tokens);
-    let state = AppState::new(
+    let mut state = AppState::new(
         name,
         tokenizer,
         template,
@@ -290,6 +309,10 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
             body: Duration::from_secs(args.load.body_read_timeout_s),
         },
     );
+    if args.prompt.special_tokens_in_content == prompt::SpecialTokens::Text {
+        let nonce = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8);
+        state.literal_marks = Some(prompt::LiteralMarks::new(nonce));
+    }
     Ok(Arc::new(state))
 }
 

@@ -23,7 +23,70 @@ pub struct ParsedMessages {
     pub text_bytes: usize,
 }
 
-pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> {
+/// How special tokens' spellings in the messages' text are read (`--special-tokens-in-content`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecialTokens {
+    /// As special tokens, as transformers and vLLM do: `</s>` typed by a client ends a
+    /// turn, and a typed media tag (`<image>`) is a placeholder without an item (400).
+    Parse,
+    /// As plain text, every special token alike: closes the prompt-injection path of
+    /// clients writing the template's control tokens.
+    Text,
+}
+
+/// Marks where a client's text lies in the rendered prompt, so that it can be read as
+/// plain text (private-use characters and a per-process nonce: a client cannot forge them).
+pub struct LiteralMarks {
+    open: String,
+    close: String,
+}
+
+impl LiteralMarks {
+    pub fn new(nonce: u64) -> Self {
+        LiteralMarks { open: format!("\u{E000}{nonce:016x}\u{E001}"), close: format!("\u{E002}{nonce:016x}\u{E003}") }
+    }
+
+    fn wrap(&self, text: &str) -> String {
+        format!("{}{text}{}", self.open, self.close)
+    }
+
+    /// The rendered prompt's pieces: (text, whether it is a client's text to read literally).
+    fn split<'a>(&self, mut rendered: &'a str) -> Result<Vec<(&'a str, bool)>, ApiError> {
+        let mut pieces = Vec::new();
+        while let Some(start) = rendered.find(&self.open) {
+            pieces.push((&rendered[..start], false));
+            let rest = &rendered[start + self.open.len()..];
+            let end = rest.find(&self.close).ok_or_else(|| {
+                ApiError::Internal(
+                    "the chat template cut a message's text apart; it cannot be read as plain text".into(),
+                )
+            })?;
+            pieces.push((&rest[..end], true));
+            rendered = &rest[end + self.close.len()..];
+        }
+        pieces.push((rendered, false));
+        Ok(pieces)
+    }
+}
+
+/// The messages' text is read literally only where it holds a special token's spelling:
+/// other text is tokenized with the whole prompt, exactly as transformers does.
+pub struct Literal<'a> {
+    pub marks: &'a LiteralMarks,
+    pub tokenizer: &'a TextTokenizer,
+}
+
+impl Literal<'_> {
+    fn text(&self, t: &str) -> String {
+        match self.tokenizer.find_special(t) {
+            Some(_) => self.marks.wrap(t),
+            None => t.to_string(),
+        }
+    }
+}
+
+pub fn parse_messages(messages: &[Message], literal: Option<Literal<'_>>) -> Result<ParsedMessages, ApiError> {
+    let text_of = |t: &str| literal.as_ref().map_or_else(|| t.to_string(), |l| l.text(t));
     if messages.is_empty() {
         return Err(ApiError::bad_param("messages", "`messages` must not be empty"));
     }
@@ -40,7 +103,7 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
             None => Vec::new(),
             Some(Content::Text(t)) => {
                 text_bytes += t.len();
-                vec![json!({"type": "text", "text": t})]
+                vec![json!({"type": "text", "text": text_of(t)})]
             }
             Some(Content::Parts(parts)) => {
                 let mut v = Vec::with_capacity(parts.len());
@@ -50,7 +113,7 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
                     {
                         Part::Text(t) => {
                             text_bytes += t.len();
-                            v.push(json!({"type": "text", "text": t}))
+                            v.push(json!({"type": "text", "text": text_of(&t)}))
                         }
                         Part::ImageUrl(url) => {
                             items.push(ItemSource::Image(url));
@@ -86,10 +149,20 @@ pub fn check_text_fits(text_bytes: usize, max_token_bytes: usize, context: u64) 
     Ok(())
 }
 
-/// Renders and tokenizes; returns the ids with placeholders still in place.
-pub fn tokenize(template: &ChatTemplate, tokenizer: &TextTokenizer, messages: &Value) -> Result<Vec<u32>, ApiError> {
+/// Renders and tokenizes; returns the ids with placeholders still in place. With
+/// `marks`, marked text is read as plain text.
+pub fn tokenize(
+    template: &ChatTemplate,
+    tokenizer: &TextTokenizer,
+    messages: &Value,
+    marks: Option<&LiteralMarks>,
+) -> Result<Vec<u32>, ApiError> {
     let text = template.render(messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
-    tokenizer.encode_prompt(&text).map_err(|e| ApiError::Internal(e.to_string()))
+    let pieces = match marks {
+        Some(m) => m.split(&text)?,
+        None => vec![(text.as_str(), false)],
+    };
+    tokenizer.encode_prompt_pieces(&pieces).map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 /// Replaces the n-th placeholder with the n-th range.
@@ -97,7 +170,7 @@ pub fn expand(ids: &[u32], placeholder: u32, ranges: &[(u64, u32)]) -> Result<Ve
     let found = ids.iter().filter(|&&t| t == placeholder).count();
     if found != ranges.len() {
         return Err(ApiError::bad(format!(
-            "the prompt has {found} media placeholders for {} media items (do not write the model's media tags in text)",
+            "the prompt has {found} media placeholders for {} media items (the model's media tags written in text are placeholders unless the server reads text literally: --special-tokens-in-content text)",
             ranges.len()
         )));
     }

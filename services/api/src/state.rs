@@ -11,6 +11,7 @@ use mmserve_text::{ChatTemplate, TextTokenizer};
 use crate::dispatch::Dispatcher;
 use crate::load::LoadGate;
 use crate::media::MediaLimits;
+use crate::prompt::LiteralMarks;
 
 pub struct AppState {
     pub model_name: String,
@@ -34,6 +35,8 @@ pub struct AppState {
     pub metrics: Metrics,
     pub timeouts: Timeouts,
     pub load: Arc<LoadGate>,
+    /// Set when clients' text is read as plain text (`--special-tokens-in-content text`).
+    pub literal_marks: Option<LiteralMarks>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -98,6 +101,7 @@ impl AppState {
             metrics: Metrics::default(),
             timeouts,
             load,
+            literal_marks: None,
         }
     }
 
