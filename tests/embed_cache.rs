@@ -490,8 +490,7 @@ async fn an_admin_connection_flood_neither_wedges_the_admin_nor_the_data_path() 
         &["--admin-max-connections", "16", "--admin-auth-timeout-s", "1"],
     );
     let admin = cache.admin.clone();
-    let flood: Vec<std::net::TcpStream> =
-        (0..500).filter_map(|_| std::net::TcpStream::connect(&admin).ok()).collect();
+    let flood: Vec<std::net::TcpStream> = (0..500).filter_map(|_| std::net::TcpStream::connect(&admin).ok()).collect();
     assert!(flood.len() > 100, "the flood connects ({} of 500)", flood.len());
     // The data path serves on, flood or not.
     let c = cache.client().await;
