@@ -67,6 +67,10 @@ struct RunPaths {
 
 impl RunPaths {
     fn new() -> anyhow::Result<Self> {
+        let swept = sweep_dead_run_dirs(&std::env::temp_dir());
+        if swept > 0 {
+            tracing::info!("removed {swept} run directories of mmserve processes that are gone");
+        }
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
         let tag = format!("{}-{nanos:08x}", std::process::id());
         let dir = std::env::temp_dir().join(format!("mmserve-{tag}"));
@@ -79,6 +83,39 @@ impl RunPaths {
     fn socket(&self, name: &str) -> PathBuf {
         self.dir.join(format!("{name}.sock"))
     }
+}
+
+/// Removes `mmserve-<pid>-<tag>` run directories whose `serve` process is gone (killed
+/// with its whole group, say: it had no chance to remove its own). A directory of a
+/// live process, or of another user, is left alone.
+fn sweep_dead_run_dirs(tmp: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(tmp) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(run_dir_pid) else { continue };
+        if pid == std::process::id() || process_alive(pid) {
+            continue;
+        }
+        if std::fs::remove_dir_all(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The pid in a run directory's name (`mmserve-<pid>-<8 hex digits>`).
+fn run_dir_pid(name: &str) -> Option<u32> {
+    let (pid, tag) = name.strip_prefix("mmserve-")?.split_once('-')?;
+    (tag.len() == 8 && tag.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
+    pid.parse().ok()
+}
+
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else { return false };
+    // SAFETY: signal 0 checks for existence only; nothing is delivered.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {

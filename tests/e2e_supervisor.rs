@@ -41,9 +41,38 @@ fn a_dead_child_is_named_and_serve_exits_non_zero_leaving_nothing() {
     }
     let kids = children(pid);
     assert_eq!(kids.len(), 4, "{kids:?}");
+    let text = String::from_utf8_lossy(&seen).to_string();
+    let url = text.split("mmserve: serving").nth(1).and_then(|r| r.split(" at http://").nth(1)).unwrap();
+    let addr = url.split_whitespace().next().unwrap().to_string();
+    // A client streaming a long answer when the engine dies.
+    let client = std::thread::spawn(move || {
+        use std::io::Write;
+        let body = r#"{"messages":[{"role":"user","content":"Tell a long story."}],"max_tokens":480,"ignore_eos":true,"stream":true}"#;
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        write!(s, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut got = Vec::new();
+        let t0 = Instant::now();
+        let mut chunk = [0u8; 4096];
+        loop {
+            match s.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+                Err(e) => panic!("the stream hung after the engine died: {e}"),
+            }
+            if String::from_utf8_lossy(&got).contains("\"content\"") && t0.elapsed() > Duration::from_secs(60) {
+                panic!("still streaming a minute on");
+            }
+        }
+        (String::from_utf8_lossy(&got).to_string(), t0.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
     let engine = *kids.iter().find(|&&k| cmdline(k).contains(" engine ")).expect("an engine child");
     // SAFETY: killing a process of this test's own tree.
     unsafe { libc::kill(engine as i32, libc::SIGKILL) };
+    let (streamed, took) = client.join().unwrap();
+    assert!(took < Duration::from_secs(30), "the client waited {took:?}");
+    assert!(streamed.starts_with("HTTP/1.1 200"), "{streamed}");
 
     let status = serve.wait().unwrap();
     assert!(!status.success(), "serve must exit non-zero when a child dies");
@@ -58,6 +87,27 @@ fn a_dead_child_is_named_and_serve_exits_non_zero_leaving_nothing() {
     }
     let left = mmserve_shm::list_with_prefix(&format!("mmserve-{pid}-"));
     assert!(left.is_empty(), "shared memory left: {left:?}");
+}
+
+/// A `serve` killed with its whole group cannot remove its run directory: the next
+/// start does (and leaves a live run's alone).
+#[test]
+fn run_directories_of_dead_runs_are_swept_at_the_next_start() {
+    let mut gone = Command::new("true").spawn().unwrap();
+    let dead_pid = gone.id();
+    gone.wait().unwrap();
+    let tmp = std::env::temp_dir();
+    let dead = tmp.join(format!("mmserve-{dead_pid}-0badf00d"));
+    let live = tmp.join(format!("mmserve-{}-0badf00d", std::process::id()));
+    for d in [&dead, &live] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::write(d.join("engine.sock"), b"").unwrap();
+    }
+    let server = common::Server::start(&[]);
+    assert!(!dead.exists(), "the dead run's directory was swept");
+    assert!(live.exists(), "a live process's directory stays");
+    std::fs::remove_dir_all(&live).unwrap();
+    server.stop();
 }
 
 #[test]
