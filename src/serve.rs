@@ -30,6 +30,8 @@ pub struct ServeArgs {
     pub cache: mmserve_embed_cache::CapacityArgs,
     #[command(flatten)]
     pub admin: mmserve_embed_cache::AdminArgs,
+    #[command(flatten)]
+    pub admin_limits: mmserve_embed_cache::AdminLimitArgs,
     /// Longest wait in line for embed-cache capacity, in seconds (then 503).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
     pub embed_cache_wait_timeout_s: u64,
@@ -194,6 +196,7 @@ async fn start_all(
         "--admin-addr".into(),
         args.admin.admin_addr.clone(),
     ];
+    cache_args.extend(args.admin_limits.to_args());
     if let Some(f) = &args.admin.admin_token_file {
         cache_args.extend(["--admin-token-file".into(), s(f)]);
     }

@@ -7,7 +7,11 @@
 //!   the checked address. Redirects are followed by hand, each hop checked the same
 //!   way, up to a hop limit. The byte cap is enforced while streaming, and every fetch
 //!   has a deadline.
-//! - `file://`: only under `--allowed-local-media-path`, after resolving symlinks.
+//! - `file://`: only under `--allowed-local-media-path`, the path as given (beneath the
+//!   canonical root). Opened once by the kernel's beneath-the-root lookup (no `..` or
+//!   symlink may lead out, not even one swapped in during the lookup; absolute symlinks are
+//!   refused), then checked on the open descriptor: a regular file within the byte cap,
+//!   read with the cap and the fetch deadline enforced (see `local`).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -67,6 +71,16 @@ pub fn data_url(url: &str, max_bytes: usize, param: &str) -> Result<Vec<u8>, Api
     base64_payload(payload, max_bytes, param)
 }
 
+/// The media type a `data:` URL declares (`image/png`), lowercase, without parameters;
+/// `None` for a URL of another scheme, a malformed one, or one that declares none
+/// (`data:;base64,…`).
+pub fn data_url_type(url: &str) -> Option<String> {
+    let rest = url.get(..5).filter(|s| s.eq_ignore_ascii_case("data:")).map(|_| &url[5..])?;
+    let (meta, _) = rest.split_once(',')?;
+    let mime = meta.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    (!mime.is_empty()).then_some(mime)
+}
+
 /// Decodes base64 (a `data:` URL's payload, or `input_audio.data`) of at most `max_bytes`.
 pub fn base64_payload(payload: &str, max_bytes: usize, param: &str) -> Result<Vec<u8>, ApiError> {
     // Base64 of n bytes is 4n/3 characters: refuse oversized items before decoding.
@@ -91,25 +105,20 @@ async fn file(url: &str, policy: &FetchPolicy, param: &str) -> Result<Vec<u8>, A
         return Err(bad(param, "file: URLs must not name a host"));
     }
     let path = parsed.to_file_path().map_err(|_| bad(param, "invalid file: URL path"))?;
-    let outside = || bad(param, "the file is outside the allowed local media path");
-    // Resolving symlinks first means a link inside the root cannot point outside it.
-    let real = tokio::fs::canonicalize(&path).await.map_err(|_| outside())?;
-    if !real.starts_with(root) {
-        return Err(outside());
+    let max = policy.max_bytes;
+    let rel = local::relative_beneath(&path, root).ok_or_else(|| local::LocalError::Outside.into_api(param, max))?;
+    let root = root.clone();
+    // The syscalls block (a slow disk, a network file system): off the event loop, and no
+    // longer than the fetch deadline (a stuck read keeps its thread, never the request).
+    let read = tokio::task::spawn_blocking(move || local::read_beneath(&root, &rel, max));
+    match tokio::time::timeout(policy.timeout, read).await {
+        Err(_) => Err(bad(param, format!("fetching the media took longer than {} s", policy.timeout.as_secs()))),
+        Ok(Err(e)) => Err(ApiError::Internal(format!("file read task: {e}"))),
+        Ok(Ok(r)) => r.map_err(|e| e.into_api(param, max)),
     }
-    let meta = tokio::fs::metadata(&real).await.map_err(|_| outside())?;
-    if !meta.is_file() {
-        return Err(bad(param, "the path is not a regular file"));
-    }
-    if meta.len() > policy.max_bytes as u64 {
-        return Err(too_large(param, policy.max_bytes));
-    }
-    let bytes = tokio::fs::read(&real).await.map_err(|e| bad(param, format!("reading the file: {e}")))?;
-    if bytes.len() > policy.max_bytes {
-        return Err(too_large(param, policy.max_bytes));
-    }
-    Ok(bytes)
 }
+
+mod local;
 
 /// Whether an address may be fetched without `--allow-private-media-addresses`.
 pub fn is_public(ip: IpAddr) -> bool {
@@ -277,6 +286,8 @@ fn is_timeout(e: &reqwest::Error) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::OpenOptionsExt;
+
     use super::*;
 
     #[test]
@@ -333,5 +344,244 @@ mod tests {
             assert!(matches!(data_url(bad, 10, "p"), Err(ApiError::BadRequest { .. })), "{bad}");
         }
         assert!(data_url("data:image/png;base64,AAAAAAAAAAAA", 4, "p").is_err(), "over the byte limit");
+        assert_eq!(data_url_type("data:image/png;base64,AAEC").as_deref(), Some("image/png"));
+        assert_eq!(data_url_type("DATA: Audio/WAV ;charset=x;base64,AAEC").as_deref(), Some("audio/wav"));
+        for none in ["data:;base64,AAEC", "data:base64", "https://x/y.png", "file:///a.png", "dat"] {
+            assert_eq!(data_url_type(none), None, "{none}");
+        }
+    }
+
+    /// A fresh directory holding `root/` (the allowed path, canonical, with `sub/`) and
+    /// `outside/`; removed on drop.
+    struct Dirs {
+        base: PathBuf,
+        root: PathBuf,
+        outside: PathBuf,
+    }
+
+    impl Drop for Dirs {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.base);
+        }
+    }
+
+    fn dirs(name: &str) -> Dirs {
+        let base = std::env::temp_dir().join(format!("mmserve-fetch-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(base.join("root/sub")).unwrap();
+        std::fs::create_dir_all(base.join("outside")).unwrap();
+        let (root, outside) = (base.join("root").canonicalize().unwrap(), base.join("outside").canonicalize().unwrap());
+        Dirs { base, root, outside }
+    }
+
+    fn local(root: &std::path::Path, max_bytes: usize) -> FetchPolicy {
+        FetchPolicy {
+            allowed_domains: Vec::new(),
+            allow_all_domains: false,
+            allow_private_addresses: false,
+            local_root: Some(root.to_path_buf()),
+            max_bytes,
+            timeout: Duration::from_secs(2),
+            max_redirects: 0,
+        }
+    }
+
+    fn url(path: &std::path::Path) -> String {
+        format!("file://{}", path.display())
+    }
+
+    /// Replaces `at` atomically (rename over it) by what `make` creates at a temporary name.
+    fn swap(at: &std::path::Path, make: impl FnOnce(&std::path::Path)) {
+        let tmp = at.with_extension("tmp");
+        let _ = std::fs::remove_file(&tmp);
+        make(&tmp);
+        std::fs::rename(&tmp, at).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn file_swapped_for_an_outside_symlink_never_leaks() {
+        let d = dirs("race-link");
+        let (root, outside) = (d.root.clone(), d.outside.clone());
+        std::fs::write(outside.join("secret"), b"SECRET").unwrap();
+        std::fs::write(root.join("inside"), b"inside").unwrap();
+        let target = root.join("x.png");
+        std::fs::write(&target, b"inside").unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flipper = {
+            let (stop, target, secret) = (stop.clone(), target.clone(), outside.join("secret"));
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    swap(&target, |t| std::os::unix::fs::symlink(&secret, t).unwrap());
+                    swap(&target, |t| std::fs::write(t, b"inside").unwrap());
+                }
+            })
+        };
+        let (policy, u) = (local(&root, 1 << 20), url(&target));
+        let (mut leaked, mut served) = (0, 0);
+        for _ in 0..100 {
+            let fetches = (0..20).map(|_| fetch(&u, &policy, "image_url"));
+            for r in futures::future::join_all(fetches).await {
+                match r {
+                    Ok(b) if b == b"SECRET" => leaked += 1,
+                    Ok(_) => served += 1,
+                    Err(_) => {}
+                }
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        flipper.join().unwrap();
+        assert_eq!(leaked, 0, "{leaked} fetches returned the outside file ({served} the inside one)");
+        assert!(served > 0, "the regular file was never served");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fifo_swapped_in_never_hangs_a_fetch() {
+        let d = dirs("race-fifo");
+        let root = d.root.clone();
+        let fifo = root.join("sub/fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let target = root.join("x.png");
+        std::fs::write(&target, b"inside").unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flipper = {
+            let (stop, target, fifo) = (stop.clone(), target.clone(), fifo.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    swap(&target, |t| std::fs::hard_link(&fifo, t).unwrap());
+                    swap(&target, |t| std::fs::write(t, b"inside").unwrap());
+                }
+            })
+        };
+        let (policy, u) = (local(&root, 1 << 20), url(&target));
+        let mut hung = 0;
+        for _ in 0..50 {
+            let fetches = (0..20).map(|_| tokio::time::timeout(Duration::from_secs(5), fetch(&u, &policy, "p")));
+            hung += futures::future::join_all(fetches).await.iter().filter(|r| r.is_err()).count();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        flipper.join().unwrap();
+        // A reader stuck on the FIFO gets end-of-file once a writer comes and goes.
+        if hung > 0 {
+            let _ = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(&fifo);
+        }
+        assert_eq!(hung, 0, "{hung} fetches hung on a FIFO");
+    }
+
+    /// The message of a refusal (a 400).
+    fn refusal(r: Result<Vec<u8>, ApiError>) -> String {
+        match r {
+            Err(e @ ApiError::BadRequest { .. }) => e.to_string(),
+            other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn files_and_symlinks_that_stay_inside_the_root_are_read() {
+        let d = dirs("inside");
+        let root = d.root.clone();
+        std::fs::write(root.join("cat.png"), b"cat").unwrap();
+        std::os::unix::fs::symlink("cat.png", root.join("link.png")).unwrap();
+        std::os::unix::fs::symlink("../cat.png", root.join("sub/up.png")).unwrap();
+        let policy = local(&root, 100);
+        for name in ["cat.png", "link.png", "sub/up.png", "sub/../cat.png", "./sub/./up.png"] {
+            let got = fetch(&format!("{}/{name}", url(&root)), &policy, "image_url").await;
+            assert_eq!(got.unwrap_or_else(|e| panic!("{name}: {e}")), b"cat", "{name}");
+        }
+        let missing = refusal(fetch(&url(&root.join("nope.png")), &policy, "p").await);
+        assert!(missing.contains("no such file"), "{missing}");
+    }
+
+    #[tokio::test]
+    async fn links_and_paths_leading_out_of_the_root_are_refused() {
+        let d = dirs("outside");
+        let (root, outside) = (d.root.clone(), d.outside.clone());
+        std::fs::write(outside.join("secret"), b"SECRET").unwrap();
+        std::os::unix::fs::symlink(outside.join("secret"), root.join("abs.png")).unwrap();
+        std::os::unix::fs::symlink("../outside/secret", root.join("rel.png")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("dir")).unwrap();
+        std::os::unix::fs::symlink("/proc/self/root/etc/hostname", root.join("magic.png")).unwrap();
+        let policy = local(&root, 100);
+        for u in [
+            url(&root.join("abs.png")),
+            url(&root.join("rel.png")),
+            url(&root.join("dir/secret")),
+            url(&root.join("magic.png")),
+            url(&outside.join("secret")),
+            format!("{}/../outside/secret", url(&root)),
+            format!("{}/%2e%2e/outside/secret", url(&root)),
+        ] {
+            let msg = refusal(fetch(&u, &policy, "image_url").await);
+            assert!(msg.contains("outside the allowed local media path"), "{u}: {msg}");
+        }
+    }
+
+    #[tokio::test]
+    async fn fifos_directories_and_devices_are_refused_without_blocking() {
+        let d = dirs("special");
+        let root = d.root.clone();
+        let c = std::ffi::CString::new(root.join("pipe.wav").as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        std::os::unix::fs::symlink("/dev/zero", root.join("zero")).unwrap();
+        let policy = local(&root, 100);
+        // No writer ever comes: a blocking open or read would wait forever.
+        let started = Instant::now();
+        let msg = refusal(fetch(&url(&root.join("pipe.wav")), &policy, "audio_url").await);
+        assert!(msg.contains("a FIFO"), "{msg}");
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+        let msg = refusal(fetch(&url(&root.join("sub")), &policy, "p").await);
+        assert!(msg.contains("a directory"), "{msg}");
+        // A link to a device is absolute, so it leads out of the root; the walk (below)
+        // refuses it as a link.
+        let msg = refusal(fetch(&url(&root.join("zero")), &policy, "p").await);
+        assert!(msg.contains("outside"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn a_file_over_the_cap_is_refused_without_reading_it() {
+        let d = dirs("big");
+        let root = d.root.clone();
+        // 200 MB, sparse: reading it whole would take a while and the memory.
+        let big = std::fs::File::create(root.join("big.png")).unwrap();
+        big.set_len(200 << 20).unwrap();
+        std::fs::write(root.join("fits.png"), [7u8; 100]).unwrap();
+        let policy = local(&root, 100);
+        let started = Instant::now();
+        let msg = refusal(fetch(&url(&root.join("big.png")), &policy, "image_url").await);
+        assert!(msg.contains("larger than the limit of 100 bytes (--max-item-bytes)"), "{msg}");
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+        assert_eq!(fetch(&url(&root.join("fits.png")), &policy, "p").await.unwrap(), [7u8; 100]);
+        // Past the size check (a file that grows after it, or one that never ends), the read
+        // itself stops one byte past the cap.
+        let zero = std::fs::File::open("/dev/zero").unwrap();
+        assert!(matches!(local::read_capped(zero, 1 << 20, 0), Err(local::LocalError::TooLarge)));
+        let fits = std::fs::File::open(root.join("fits.png")).unwrap();
+        assert_eq!(local::read_capped(fits, 100, 0).unwrap().len(), 100);
+    }
+
+    #[test]
+    fn the_fallback_walk_follows_no_symlink_and_no_dotdot() {
+        use std::os::fd::AsFd;
+        let d = dirs("walk");
+        let (root, outside) = (d.root.clone(), d.outside.clone());
+        std::fs::write(root.join("sub/cat.png"), b"cat").unwrap();
+        std::fs::write(outside.join("secret"), b"SECRET").unwrap();
+        std::os::unix::fs::symlink("sub/cat.png", root.join("link.png")).unwrap();
+        std::os::unix::fs::symlink("sub", root.join("linkdir")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("out")).unwrap();
+        let dir = std::fs::File::open(&root).unwrap();
+        let walk = |rel: &str| local::walk_nofollow(dir.as_fd(), std::path::Path::new(rel));
+        let mut cat = std::fs::File::from(walk("sub/cat.png").unwrap());
+        let mut got = String::new();
+        std::io::Read::read_to_string(&mut cat, &mut got).unwrap();
+        assert_eq!(got, "cat");
+        for rel in ["link.png", "linkdir/cat.png", "out/secret", "../outside/secret", "sub/../../outside/secret"] {
+            let e = local::LocalError::from(walk(rel).unwrap_err());
+            assert!(matches!(e, local::LocalError::Outside), "{rel}: {e:?}");
+        }
+        assert!(matches!(local::LocalError::from(walk("sub/nope").unwrap_err()), local::LocalError::NotFound));
+        assert!(matches!(local::LocalError::from(walk("sub/cat.png/x").unwrap_err()), local::LocalError::NotFound));
     }
 }

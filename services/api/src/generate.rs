@@ -100,7 +100,8 @@ fn give_memory_back() {
 const MAX_N: u32 = 16;
 const MAX_STOPS: usize = 16;
 
-fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<(SamplingParams, usize), ApiError> {
+/// The request's sampling fields, checked: the parameters and the number of choices.
+pub fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<(SamplingParams, usize), ApiError> {
     let n = req.n.unwrap_or(1);
     if !(1..=MAX_N).contains(&n) {
         return Err(ApiError::bad_param("n", format!("n must be between 1 and {MAX_N}")));

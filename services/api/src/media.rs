@@ -1,22 +1,31 @@
 //! Media items of a request: fetched ([`crate::fetch`]), checked and keyed for the embed
 //! cache — the CPU work off the event loop, on a bounded number of blocking threads.
 //!
+//! Before any byte is fetched, a `data:` URL's declared media type must match the part
+//! (`image/*` for `image_url`, `audio/*` for `audio_url`; one that declares no type is
+//! judged by its content), and `input_audio.format` must name a container we decode.
+//!
 //! Images are checked from the header only (format, pixel limit); full decoding and
 //! preprocessing happen in the encoder, for cache misses only. Audio is decoded here
 //! (16 kHz mono, truncated to the extractor's 30 s window), because its token count
 //! depends on the exact number of samples; the encoder receives those samples and
-//! computes the log-mel features (see ARCHITECTURE.md).
+//! computes the log-mel features (see ARCHITECTURE.md). Only that window is decoded and
+//! resampled: the clip's length and sample rate are checked from its header first, and
+//! decoding stops after the window when the header states the length (a clip that states
+//! none is decoded on, unkept, to enforce `--max-audio-seconds`). A request's audio work is
+//! thus bounded by its item count times the window, or times the limit for clips that state
+//! no length.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use mmserve_media::audio::{AudioLimits, WhisperFeatureExtractor, decode_audio};
 use mmserve_media::{ImageLimits, ImageProcessor, image_header};
 use mmserve_protocol::{ItemDigest, Modality};
 use tokio::sync::Semaphore;
 
+use crate::cpu;
 use crate::error::ApiError;
-use crate::fetch::{FetchPolicy, base64_payload, fetch};
+use crate::fetch::{FetchPolicy, base64_payload, data_url_type, fetch};
 use crate::openai::AudioSource;
 use crate::prompt::ItemSource;
 
@@ -66,7 +75,7 @@ pub struct MediaLimits {
     pub image: ImageLimits,
     pub audio: AudioLimits,
     pub fetch: FetchPolicy,
-    /// Items being checked and hashed at once; a burst of large items queues here.
+    /// The api's CPU pool ([`cpu`]): media checks, hashing, audio decoding, tokenizing.
     pub cpu_slots: Arc<Semaphore>,
     pub model: ModelMedia,
 }
@@ -77,6 +86,36 @@ fn param(src: &ItemSource) -> &'static str {
         ItemSource::Image(_) => "image_url",
         ItemSource::Audio(AudioSource::Inline { .. }) => "input_audio",
         ItemSource::Audio(AudioSource::Url(_)) => "audio_url",
+    }
+}
+
+/// The `input_audio.format` values we take: the containers [`decode_audio`] reads.
+const AUDIO_FORMATS: [&str; 7] = ["wav", "mp3", "flac", "ogg", "m4a", "mp4", "aac"];
+
+/// Refuses an `input_audio.format` we do not decode; the format, normalised, is the
+/// decoder's hint (the content decides, the hint breaks ties). None when absent.
+fn check_format(format: Option<&str>) -> Result<Option<String>, ApiError> {
+    let Some(format) = format else { return Ok(None) };
+    let f = format.trim().to_ascii_lowercase();
+    if AUDIO_FORMATS.contains(&f.as_str()) {
+        return Ok(Some(f));
+    }
+    Err(ApiError::bad_param(
+        "input_audio.format",
+        format!("unsupported input_audio `format` {format:?}: use one of {}", AUDIO_FORMATS.join(", ")),
+    ))
+}
+
+/// Refuses a `data:` URL that declares a media type other than `kind/*` (OpenAI's "Invalid
+/// MIME type"); returns the declared type (a hint for the audio decoder).
+fn check_declared_type(url: &str, kind: &str, param: &str) -> Result<Option<String>, ApiError> {
+    let Some(mime) = data_url_type(url) else { return Ok(None) };
+    match mime.split_once('/') {
+        Some((top, sub)) if top == kind && !sub.is_empty() => Ok(Some(mime)),
+        _ => Err(ApiError::bad_param(
+            param,
+            format!("invalid MIME type {mime:?} in the data: URL: {param} takes {kind}/* (or no declared type)"),
+        )),
     }
 }
 
@@ -96,30 +135,27 @@ pub fn check_kind(src: &ItemSource, model: &ModelMedia, model_name: &str) -> Res
 pub async fn prepare(src: &ItemSource, limits: &MediaLimits, fingerprint: &str) -> Result<MediaItem, ApiError> {
     let p = param(src);
     let (bytes, hint) = match src {
-        ItemSource::Image(url) | ItemSource::Audio(AudioSource::Url(url)) => {
+        ItemSource::Image(url) => {
+            check_declared_type(url, "image", p)?;
             (fetch(url, &limits.fetch, p).await?, None)
         }
+        ItemSource::Audio(AudioSource::Url(url)) => {
+            let mime = check_declared_type(url, "audio", p)?;
+            (fetch(url, &limits.fetch, p).await?, mime)
+        }
         ItemSource::Audio(AudioSource::Inline { data, format }) => {
-            (base64_payload(data, limits.fetch.max_bytes, p)?, format.clone())
+            let format = check_format(format.as_deref())?;
+            (base64_payload(data, limits.fetch.max_bytes, p)?, format)
         }
     };
-    let wait = Duration::from_secs(30);
-    let permit = tokio::time::timeout(wait, limits.cpu_slots.clone().acquire_owned())
-        .await
-        .map_err(|_| ApiError::Unavailable("too many media items are being processed; try again".into()))?
-        .map_err(|_| ApiError::Internal("the media pool is closed".into()))?;
     let (limits, fingerprint) = (limits.clone(), fingerprint.to_string());
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        match &limits.model {
-            ModelMedia::Image { processor, model_tokens } => {
-                check_image(bytes, &limits.image, processor, *model_tokens, &fingerprint)
-            }
-            ModelMedia::Audio(fe) => audio(bytes, hint.as_deref(), &limits.audio, fe, &fingerprint, p),
+    cpu::run(&limits.cpu_slots.clone(), "checking media", move || match &limits.model {
+        ModelMedia::Image { processor, model_tokens } => {
+            check_image(bytes, &limits.image, processor, *model_tokens, &fingerprint)
         }
+        ModelMedia::Audio(fe) => audio(bytes, hint.as_deref(), &limits.audio, fe, &fingerprint, p),
     })
-    .await
-    .map_err(|e| ApiError::Internal(format!("media task: {e}")))?
+    .await?
 }
 
 fn check_image(
@@ -162,11 +198,67 @@ fn audio(
         AudioError::TooLong { .. } => ApiError::bad_param(param, format!("{e} (--max-audio-seconds)")),
         e => ApiError::bad_param(param, e.to_string()),
     };
-    let wave = decode_audio(&bytes, hint, limits).map_err(bad)?;
-    // The model sees the first 30 s (transformers truncates likewise).
+    // The model hears the first 30 s (transformers truncates likewise): nothing past them
+    // is resampled or kept, nor decoded when the header states the length.
+    let limits = AudioLimits { keep_samples: Some(fe.n_samples), ..limits.clone() };
+    let wave = decode_audio(&bytes, hint, &limits).map_err(bad)?;
     let used = &wave.samples[..wave.samples.len().min(fe.n_samples)];
     let token_num = fe.qwen2_audio_tokens_for(used.len()).map_err(bad)?;
     let digest = ItemDigest::compute(Modality::Audio, fingerprint, &bytes);
     let pcm: Vec<u8> = used.iter().flat_map(|s| s.to_le_bytes()).collect();
     Ok(MediaItem { bytes: pcm, digest, modality: Modality::Audio, token_num: token_num as u32 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(r: Result<Option<String>, ApiError>) -> (String, Option<String>) {
+        match r {
+            Err(ApiError::BadRequest { message, param }) => (message, param),
+            other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_data_url_must_declare_the_parts_kind() {
+        assert_eq!(
+            check_declared_type("data:image/png;base64,AA==", "image", "image_url").unwrap().unwrap(),
+            "image/png"
+        );
+        assert_eq!(
+            check_declared_type("data:Audio/X-WAV;base64,AA==", "audio", "audio_url").unwrap().unwrap(),
+            "audio/x-wav"
+        );
+        // No declared type, or not a data: URL: judged by the content.
+        for url in ["data:;base64,AA==", "https://example.com/a.wav", "file:///m/a.png"] {
+            assert_eq!(check_declared_type(url, "image", "image_url").unwrap(), None, "{url}");
+        }
+        for (url, kind, param) in [
+            ("data:audio/wav;base64,AA==", "image", "image_url"),
+            ("data:application/octet-stream;base64,AA==", "image", "image_url"),
+            ("data:text/plain;base64,AA==", "image", "image_url"),
+            ("data:image/;base64,AA==", "image", "image_url"),
+            ("data:image/png;base64,AA==", "audio", "audio_url"),
+            ("data:video/mp4;base64,AA==", "audio", "audio_url"),
+        ] {
+            let (msg, p) = refusal(check_declared_type(url, kind, param));
+            assert!(msg.starts_with("invalid MIME type") && msg.contains(&format!("{kind}/*")), "{url}: {msg}");
+            assert_eq!(p.as_deref(), Some(param));
+        }
+    }
+
+    #[test]
+    fn input_audio_format_must_be_one_we_decode() {
+        assert_eq!(check_format(None).unwrap(), None);
+        for f in AUDIO_FORMATS {
+            assert_eq!(check_format(Some(f)).unwrap().as_deref(), Some(f));
+        }
+        assert_eq!(check_format(Some(" WAV ")).unwrap().as_deref(), Some("wav"));
+        for f in ["xyz", "", "pcm16", "opus", "audio/wav", ".wav"] {
+            let (msg, p) = refusal(check_format(Some(f)));
+            assert_eq!(p.as_deref(), Some("input_audio.format"));
+            assert!(msg.contains("`format`") && msg.contains("wav, mp3, flac, ogg, m4a, mp4, aac"), "{f}: {msg}");
+        }
+    }
 }

@@ -58,6 +58,15 @@ pub struct AdminLimitArgs {
 }
 
 impl AdminLimitArgs {
+    /// The same settings as flags, for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            format!("--admin-max-connections={}", self.admin_max_connections),
+            format!("--admin-auth-timeout-s={}", self.admin_auth_timeout_s),
+            format!("--admin-idle-timeout-s={}", self.admin_idle_timeout_s),
+        ]
+    }
+
     fn limits(&self) -> Result<admin::AdminLimits, CacheServiceError> {
         let secs = |v: f64, flag: &str| {
             Duration::try_from_secs_f64(v)

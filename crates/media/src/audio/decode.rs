@@ -12,8 +12,15 @@
 //! Stricter than transformers where a server should be: a PCM (WAV) or FLAC file that ends before
 //! the length its header states, or any file cut inside a packet, is refused as truncated; a
 //! corrupt packet is an error rather than skipped; the length limit is checked on the header
-//! before any decoding when the container states a length, and counted while decoding otherwise.
-//! An MP3 cut between frames decodes to what is there (as with every player).
+//! before any decoding when the container states a length, and counted on the source's samples
+//! while decoding otherwise, so nothing longer than the limit is ever resampled. Sample rates
+//! below [`AudioLimits::min_sample_rate`] are refused: resampling multiplies the sample count by
+//! 16 000 / rate, and a 1 Hz header would turn a 1 KB file into minutes of audio. An MP3 cut
+//! between frames decodes to what is there (as with every player).
+//!
+//! With [`AudioLimits::keep_samples`] (what the model hears), only that window and the
+//! resampler's context after it are held and resampled, and a clip whose container states its
+//! length is not decoded past it.
 //!
 //! Format notes: MP3 and Vorbis decode like libsndfile's mpg123/libvorbis (to ~1e-6, same
 //! lengths, LAME gapless info applied). M4A/MP4: AAC-LC; symphonia ignores MP4 edit lists, so the
@@ -53,11 +60,21 @@ pub struct AudioLimits {
     pub max_seconds: f64,
     /// Highest accepted source sample rate, in Hz (default 192 000).
     pub max_sample_rate: u32,
+    /// Lowest accepted source sample rate, in Hz (default 4000; a rate of 0 is always refused).
+    /// Resampling to 16 kHz multiplies the samples by `16 000 / rate`.
+    pub min_sample_rate: u32,
+    /// The samples (at 16 kHz, from the start) the caller uses; `None` (the default) keeps the
+    /// whole clip. When set, the [`Waveform`] holds at most that many, the same bit for bit as
+    /// the start of the whole clip resampled; only that window and the resampler's context are
+    /// held in memory and resampled, and a clip whose header states its length (already checked
+    /// against `max_seconds`) is not decoded further. Without a stated length the rest is still
+    /// decoded, to enforce `max_seconds`, but not kept.
+    pub keep_samples: Option<usize>,
 }
 
 impl Default for AudioLimits {
     fn default() -> Self {
-        Self { max_seconds: 600.0, max_sample_rate: 192_000 }
+        Self { max_seconds: 600.0, max_sample_rate: 192_000, min_sample_rate: 4000, keep_samples: None }
     }
 }
 
@@ -87,10 +104,12 @@ impl Waveform {
 pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimits) -> Result<Waveform, AudioError> {
     let mut reader = open(bytes, format_hint)?;
     let (track_id, params, stated) = audio_track(reader.as_ref())?;
-    let mut rate = params.sample_rate.unwrap_or(0);
-    if rate != 0 {
-        check_rate(rate, limits)?;
+    // A stated rate is checked before anything is allocated; a container that states none gets
+    // the decoder's rate, checked on the first buffer.
+    if let Some(r) = params.sample_rate {
+        check_rate(r, limits)?;
     }
+    let mut rate = params.sample_rate.unwrap_or(0);
     if let Some(s) = stated.seconds.filter(|&s| s > limits.max_seconds) {
         return Err(AudioError::TooLong { seconds: Some(s), max_seconds: limits.max_seconds });
     }
@@ -101,17 +120,29 @@ pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimit
             e => undecodable(e),
         })?;
 
-    let max_frames = |rate: u32| (limits.max_seconds * f64::from(rate)).floor() as usize;
+    let mp4 = reader.format_info().format == FORMAT_ID_ISOMP4;
+    let window = |rate: u32| Window::new(bytes, mp4, rate, limits);
+    let mut win = window(rate);
     // Trust the header's length for the allocation only as far as the file's size supports it.
+    let most = |rate: u32| (limits.max_seconds * f64::from(rate)).floor() as u64;
     let mut mono: Vec<f32> = Vec::with_capacity(
-        stated.frames.map_or(0, |n| n.min(max_frames(rate) as u64).min(bytes.len() as u64) as usize),
+        stated.frames.map_or(0, |n| n.min(most(rate)).min(win.hold as u64).min(bytes.len() as u64) as usize),
     );
+    // Frames decoded (per channel), of which `mono` holds the first `win.hold` or so.
+    let mut decoded = 0usize;
     let mut interleaved: Vec<f32> = Vec::new();
     let mut channels = 0;
     // 16-bit PCM (most WAV files) is converted here straight from the packet's bytes: the
     // same `i16 / 32768` and channel average as through the decoder, without its buffers.
     let s16 = s16_layout(&params);
+    // The header's length is within the limit: past the kept window, nothing is left to learn.
+    let stop_after_window = stated.seconds.is_some() && limits.keep_samples.is_some();
+    let mut stopped_early = false;
     loop {
+        if stop_after_window && decoded >= win.hold {
+            stopped_early = true;
+            break;
+        }
         let packet = match reader.next_packet() {
             Ok(Some(p)) => p,
             // End of stream; `ResetRequired` starts a chained Ogg stream: only the first is read.
@@ -121,55 +152,58 @@ pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimit
         if packet.track_id != track_id {
             continue;
         }
-        if let Some(c) = s16 {
+        // Past the window, frames are counted, not kept.
+        let room = win.hold.saturating_sub(mono.len());
+        let frames = if let Some(c) = s16 {
             channels = c;
-            s16_to_mono(&packet.data, c, &mut mono);
-            if mono.len() > max_frames(rate) {
-                return Err(AudioError::TooLong { seconds: None, max_seconds: limits.max_seconds });
-            }
-            continue;
-        }
-        let buf = decoder.decode(&packet).map_err(|e| match e {
-            SymError::Unsupported(what) => {
-                AudioError::UnsupportedCodec(format!("{} ({what})", codec_name(params.codec)))
-            }
-            e => undecodable(e),
-        })?;
-        // The decoder's rate is the truth (the container may state none, or another one).
-        if mono.is_empty() && buf.spec().rate() != rate {
-            rate = buf.spec().rate();
-            check_rate(rate, limits)?;
-        } else if buf.spec().rate() != rate {
-            return Err(AudioError::Undecodable(format!(
-                "the sample rate changes from {rate} Hz to {} Hz within the stream",
-                buf.spec().rate()
-            )));
-        }
-        let c = buf.spec().channels().count();
-        if c == 0 || (channels != 0 && c != channels) {
-            return Err(AudioError::Undecodable("the channel count changes within the stream".into()));
-        }
-        channels = c;
-        buf.copy_to_vec_interleaved(&mut interleaved);
-        if c == 1 {
-            mono.extend_from_slice(&interleaved);
+            let frames = packet.data.len() / (2 * c);
+            s16_to_mono(&packet.data[..frames.min(room) * 2 * c], c, &mut mono);
+            frames
         } else {
-            let cf = c as f32;
-            mono.extend(interleaved.chunks_exact(c).map(|f| f.iter().sum::<f32>() / cf));
-        }
-        if mono.len() > max_frames(rate) {
-            return Err(AudioError::TooLong { seconds: None, max_seconds: limits.max_seconds });
-        }
+            let buf = decoder.decode(&packet).map_err(|e| match e {
+                SymError::Unsupported(what) => {
+                    AudioError::UnsupportedCodec(format!("{} ({what})", codec_name(params.codec)))
+                }
+                e => undecodable(e),
+            })?;
+            // The decoder's rate is the truth (the container may state none, or another one).
+            if decoded == 0 {
+                if buf.spec().rate() != rate {
+                    rate = buf.spec().rate();
+                    win = window(rate);
+                }
+                check_rate(rate, limits)?;
+            } else if buf.spec().rate() != rate {
+                return Err(AudioError::Undecodable(format!(
+                    "the sample rate changes from {rate} Hz to {} Hz within the stream",
+                    buf.spec().rate()
+                )));
+            }
+            let c = buf.spec().channels().count();
+            if c == 0 || (channels != 0 && c != channels) {
+                return Err(AudioError::Undecodable("the channel count changes within the stream".into()));
+            }
+            channels = c;
+            buf.copy_to_vec_interleaved(&mut interleaved);
+            let frames = interleaved.len() / c;
+            let kept = &interleaved[..frames.min(room) * c];
+            if c == 1 {
+                mono.extend_from_slice(kept);
+            } else {
+                let cf = c as f32;
+                mono.extend(kept.chunks_exact(c).map(|f| f.iter().sum::<f32>() / cf));
+            }
+            frames
+        };
+        decoded += frames;
+        check_length(decoded, rate, limits)?;
     }
-    if let Some(n) = stated.frames.filter(|&n| (mono.len() as u64) < n && stated.exact) {
+    if let Some(n) = stated.frames.filter(|&n| (decoded as u64) < n && stated.exact && !stopped_early) {
         return Err(AudioError::Undecodable(format!(
-            "the file is truncated: its header announces {n} samples per channel but it holds {}",
-            mono.len()
+            "the file is truncated: its header announces {n} samples per channel but it holds {decoded}"
         )));
     }
-    if reader.format_info().format == FORMAT_ID_ISOMP4
-        && let Some((skip, keep)) = mp4_edit(bytes, rate)
-    {
+    if let Some((skip, keep)) = win.edit {
         let skip = skip.min(mono.len());
         mono.drain(..skip);
         mono.truncate(keep.unwrap_or(usize::MAX));
@@ -177,8 +211,45 @@ pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimit
     if mono.is_empty() {
         return Err(AudioError::Empty);
     }
-    let samples = resample(mono, rate, TARGET_SAMPLE_RATE)?;
+    // Checked again where it matters: nothing longer than the limit reaches the resampler.
+    check_length(mono.len(), rate, limits)?;
+    let mut samples = resample(mono, rate, TARGET_SAMPLE_RATE)?;
+    samples.truncate(limits.keep_samples.unwrap_or(usize::MAX));
     Ok(Waveform { samples, sample_rate: TARGET_SAMPLE_RATE, source_rate: rate, channels })
+}
+
+/// The source frames [`decode_audio`] holds at `rate`: with [`AudioLimits::keep_samples`], the
+/// MP4 priming to skip, the kept window and two resampler blocks of context (each output block
+/// of rubato's FFT resampler depends on its input block and the one before), so that the kept
+/// samples are those of the whole clip resampled; otherwise all.
+struct Window {
+    hold: usize,
+    /// The MP4 edit list at `rate` (see [`mp4_edit`]).
+    edit: Option<(usize, Option<usize>)>,
+}
+
+impl Window {
+    fn new(bytes: &[u8], mp4: bool, rate: u32, limits: &AudioLimits) -> Self {
+        let edit = if mp4 && rate > 0 { mp4_edit(bytes, rate) } else { None };
+        let hold = match limits.keep_samples {
+            Some(keep) if rate > 0 => {
+                let source = (keep as u128 * u128::from(rate)).div_ceil(u128::from(TARGET_SAMPLE_RATE));
+                let context = 2 * resampler_block(rate, TARGET_SAMPLE_RATE) as u128;
+                let skip = edit.map_or(0, |(skip, _)| skip as u128);
+                usize::try_from(source + context + skip).unwrap_or(usize::MAX)
+            }
+            _ => usize::MAX,
+        };
+        Self { hold, edit }
+    }
+}
+
+/// Refuses `frames` source frames at `rate` when they last longer than the limit.
+fn check_length(frames: usize, rate: u32, limits: &AudioLimits) -> Result<(), AudioError> {
+    if frames as f64 > (limits.max_seconds * f64::from(rate)).floor() {
+        return Err(AudioError::TooLong { seconds: None, max_seconds: limits.max_seconds });
+    }
+    Ok(())
 }
 
 /// The duration (seconds) the container's header states, reading nothing else; `None` when the
@@ -303,8 +374,9 @@ fn is_pcm(c: AudioCodecId) -> bool {
 }
 
 fn check_rate(rate: u32, limits: &AudioLimits) -> Result<(), AudioError> {
+    let min_rate = limits.min_sample_rate.max(1);
     match rate {
-        0 => Err(AudioError::Undecodable("the stream states no sample rate".into())),
+        r if r < min_rate => Err(AudioError::SampleRateTooLow { rate: r, min_rate }),
         r if r > limits.max_sample_rate => {
             Err(AudioError::UnsupportedSampleRate { rate: r, max_rate: limits.max_sample_rate })
         }
@@ -463,13 +535,10 @@ fn resample(samples: Vec<f32>, from: u32, to: u32) -> Result<Vec<f32>, AudioErro
     // of the lower Nyquist frequency) at a modest cost. The block sizes must be even: the filter is
     // centred on sample `block / 2` and rubato trims `block_out / 2` output frames of delay, so an
     // odd block would leave the output shifted by half an input sample.
-    let g = gcd(from, to) as usize;
-    let min_in = from as usize / g;
-    let blocks = 2048usize.div_ceil(min_in).next_multiple_of(2);
     let mut resampler = Fft::<f32>::new_custom(
         from as usize,
         to as usize,
-        blocks * min_in,
+        resampler_block(from, to),
         1,
         1,
         WindowFunction::BlackmanHarris2,
@@ -479,6 +548,12 @@ fn resample(samples: Vec<f32>, from: u32, to: u32) -> Result<Vec<f32>, AudioErro
     let input = InterleavedSlice::new(&samples, 1, n).map_err(|e| failed(&e))?;
     let out = resampler.process_all(&input, n, None).map_err(|e| failed(&e))?;
     Ok(out.take_data())
+}
+
+/// Input frames per block of [`resample`]'s FFT resampler.
+fn resampler_block(from: u32, to: u32) -> usize {
+    let min_in = (from / gcd(from, to)) as usize;
+    2048usize.div_ceil(min_in).next_multiple_of(2) * min_in
 }
 
 fn gcd(mut a: u32, mut b: u32) -> u32 {

@@ -16,6 +16,10 @@ pub enum AudioError {
     /// A sample rate outside what this server accepts.
     #[error("unsupported audio sample rate: {rate} Hz (the limit is {max_rate} Hz)")]
     UnsupportedSampleRate { rate: u32, max_rate: u32 },
+    /// A sample rate below what this server accepts (0 Hz included): resampling it to 16 kHz
+    /// would multiply the samples.
+    #[error("unsupported audio sample rate: {rate} Hz (the minimum is {min_rate} Hz)")]
+    SampleRateTooLow { rate: u32, min_rate: u32 },
     /// No bytes at all, or a stream without a single sample.
     #[error("the audio is empty")]
     Empty,

@@ -1,0 +1,46 @@
+//! The fuzz targets: each takes arbitrary bytes and runs the code that hostile input
+//! reaches, which must answer with an error, never panic, hang or allocate without
+//! bound. `fuzz/` runs them under libFuzzer (`cargo fuzz`, coverage-guided, stable Rust
+//! with `-s none`); `tests/corpus.rs` replays the committed seeds and every crash found
+//! (`fuzz/regressions/<target>/`) in `cargo test`.
+
+use mmserve_api::openai::ChatRequest;
+use mmserve_media::audio::{AudioLimits, decode_audio, probe_duration};
+use mmserve_media::{ImageLimits, decode_image, image_header};
+
+/// Every target, by the name its corpus directory has.
+pub const TARGETS: &[(&str, fn(&[u8]))] =
+    &[("image", image), ("audio", audio), ("chat_request", chat_request), ("media_url", media_url)];
+
+/// Image header probes and full decoding (our JPEG decoder among the formats), with a
+/// pixel limit that keeps each run small.
+pub fn image(data: &[u8]) {
+    let _ = image_header(data);
+    let _ = decode_image(data, &ImageLimits { max_pixels: 1 << 20 });
+}
+
+/// Audio containers and codecs, with the first byte choosing the format hint.
+pub fn audio(data: &[u8]) {
+    let hints = [None, Some("wav"), Some("mp3"), Some("flac"), Some("ogg"), Some("m4a")];
+    let (hint, bytes) = match data.split_first() {
+        Some((&h, rest)) => (hints[usize::from(h) % hints.len()], rest),
+        None => (None, data),
+    };
+    let _ = probe_duration(bytes, hint);
+    let _ = decode_audio(bytes, hint, &AudioLimits { max_seconds: 5.0, ..AudioLimits::default() });
+}
+
+/// A chat completion request's body: JSON, messages and parts, sampling fields.
+pub fn chat_request(data: &[u8]) {
+    let Ok(req) = serde_json::from_slice::<ChatRequest>(data) else { return };
+    let _ = mmserve_api::prompt::parse_messages(&req.messages, None);
+    let _ = mmserve_api::generate::sampling(&req, 10, 4096);
+}
+
+/// `data:` URLs and base64 payloads as an image or audio part carries them.
+pub fn media_url(data: &[u8]) {
+    let Ok(url) = std::str::from_utf8(data) else { return };
+    let _ = mmserve_api::fetch::data_url(url, 1 << 16, "url");
+    let _ = mmserve_api::fetch::data_url_type(url);
+    let _ = mmserve_api::fetch::base64_payload(url, 1 << 16, "data");
+}
