@@ -15,6 +15,6 @@ for target in image audio chat_request media_url; do
   mkdir -p "corpus/$target"
   echo "fuzzing $target for ${secs}s"
   # -rss_limit_mb: a target that allocates without bound is a crash too.
-  cargo fuzz run -s none --jobs 1 "$target" "corpus/$target" "seeds/$target" -- \
+  cargo fuzz run -O -s none --jobs 1 "$target" "corpus/$target" "seeds/$target" -- \
     -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 2>&1 | tail -n 40
 done

@@ -61,10 +61,13 @@ struct Running {
     pid: u32,
 }
 
-/// Where this run keeps its sockets and how its shared memory is named.
+/// Where this run keeps its sockets and how its shared memory is named. The directory
+/// holds a `lock` file this process keeps `flock`ed while it lives, so a later start
+/// knows whether the run is gone, whatever PID namespace it ran in.
 struct RunPaths {
     dir: PathBuf,
     shm_prefix: String,
+    _lock: std::fs::File,
 }
 
 impl RunPaths {
@@ -76,10 +79,15 @@ impl RunPaths {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
         let tag = format!("{}-{nanos:08x}", std::process::id());
         let dir = std::env::temp_dir().join(format!("mmserve-{tag}"));
-        std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        // Made under another name and renamed once locked: a sweep never sees it unlocked.
+        let making = std::env::temp_dir().join(format!("mmserve-{tag}.new"));
+        std::fs::create_dir(&making).with_context(|| format!("creating {}", making.display()))?;
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-        Ok(RunPaths { dir, shm_prefix: format!("mmserve-{tag}") })
+        std::fs::set_permissions(&making, std::fs::Permissions::from_mode(0o700))?;
+        let lock = std::fs::File::create(making.join("lock"))?;
+        anyhow::ensure!(try_lock(&lock), "locking {}", making.display());
+        std::fs::rename(&making, &dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(RunPaths { dir, shm_prefix: format!("mmserve-{tag}"), _lock: lock })
     }
 
     fn socket(&self, name: &str) -> PathBuf {
@@ -88,22 +96,31 @@ impl RunPaths {
 }
 
 /// Removes `mmserve-<pid>-<tag>` run directories whose `serve` process is gone (killed
-/// with its whole group, say: it had no chance to remove its own). A directory of a
-/// live process, or of another user, is left alone.
+/// with its whole group, say: it had no chance to remove its own): their `lock` file is
+/// no longer locked (or, for a directory without one, the pid is gone). A directory of a
+/// live run, or of another user, is left alone.
 fn sweep_dead_run_dirs(tmp: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(tmp) else { return 0 };
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(pid) = name.to_str().and_then(run_dir_pid) else { continue };
-        if pid == std::process::id() || process_alive(pid) {
-            continue;
-        }
-        if std::fs::remove_dir_all(entry.path()).is_ok() {
+        let dead = match std::fs::File::open(entry.path().join("lock")) {
+            Ok(lock) => try_lock(&lock),
+            Err(_) => pid != std::process::id() && !process_alive(pid),
+        };
+        if dead && std::fs::remove_dir_all(entry.path()).is_ok() {
             removed += 1;
         }
     }
     removed
+}
+
+/// Takes `flock(LOCK_EX)` without waiting; false if another process holds it.
+fn try_lock(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own; it touches no memory.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
 
 /// The pid in a run directory's name (`mmserve-<pid>-<8 hex digits>`).

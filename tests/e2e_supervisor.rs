@@ -99,14 +99,26 @@ fn run_directories_of_dead_runs_are_swept_at_the_next_start() {
     let tmp = std::env::temp_dir();
     let dead = tmp.join(format!("mmserve-{dead_pid}-0badf00d"));
     let live = tmp.join(format!("mmserve-{}-0badf00d", std::process::id()));
-    for d in [&dead, &live] {
+    // A live run in another PID namespace: its pid means nothing here, its lock does.
+    let unlocked = tmp.join(format!("mmserve-{}-0badf00e", std::process::id()));
+    let locked = tmp.join(format!("mmserve-{dead_pid}-0badf00e"));
+    for d in [&dead, &live, &unlocked, &locked] {
         std::fs::create_dir_all(d).unwrap();
         std::fs::write(d.join("engine.sock"), b"").unwrap();
     }
+    std::fs::write(unlocked.join("lock"), b"").unwrap();
+    let held = std::fs::File::create(locked.join("lock")).unwrap();
+    // SAFETY: flock on a file this test owns.
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
     let server = common::Server::start(&[]);
     assert!(!dead.exists(), "the dead run's directory was swept");
+    assert!(!unlocked.exists(), "a run whose lock nobody holds is gone, whatever its pid");
     assert!(live.exists(), "a live process's directory stays");
-    std::fs::remove_dir_all(&live).unwrap();
+    assert!(locked.exists(), "a locked run's directory stays, whatever its pid");
+    for d in [&live, &locked] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+    drop(held);
     server.stop();
 }
 

@@ -30,6 +30,15 @@ async fn release(c: &EmbedCacheClient, ids: Vec<u64>) {
     c.release(deadline(T), ids).await.unwrap().unwrap();
 }
 
+/// Returns once an alloc waits in the cache's line (fails after 10 s).
+async fn until_someone_waits(c: &EmbedCacheClient) {
+    let t0 = std::time::Instant::now();
+    while c.stats(deadline(T)).await.unwrap().waiting == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "nobody came to wait in line");
+        tokio::task::yield_now().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_multi_item_requests_at_full_capacity_never_deadlock() {
     let dir = temp_dir("stress");
@@ -359,22 +368,20 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
         let b = b.clone();
         async move { alloc(&b, vec![item(6, 60)], 10_000).await }
     });
-    while a.stats(deadline(T)).await.unwrap().waiting == 0 {
-        tokio::task::yield_now().await;
-    }
+    until_someone_waits(&a).await;
     assert!(matches!(
         run(vec![CacheOp::Alloc { lease: 0, items: vec![item(7, 5)] }]).await[0],
         CacheOpResult::MustWait
     ));
     // Errors are per operation; a release hands the room to the line first.
     let r = run(vec![
-        CacheOp::Release(vec![u64::MAX]),
+        CacheOp::Release(vec![ids[0], ids[0]]),
         CacheOp::SetData(ids.clone()),
         CacheOp::Release(ids),
         CacheOp::Alloc { lease: 0, items: vec![item(8, 101)] },
     ])
     .await;
-    assert!(matches!(r[0], CacheOpResult::Failed(CacheError::UnknownItem(_))), "{:?}", r[0]);
+    assert!(matches!(r[0], CacheOpResult::Failed(CacheError::NotReferenced(_))), "{:?}", r[0]);
     assert!(matches!(r[1], CacheOpResult::Done), "{:?}", r[1]);
     assert!(matches!(r[2], CacheOpResult::Done), "{:?}", r[2]);
     assert!(matches!(r[3], CacheOpResult::Failed(CacheError::TooLarge { .. })), "{:?}", r[3]);
@@ -435,9 +442,7 @@ async fn a_grant_whose_request_vanished_is_given_back() {
                 conn.alloc(&mut lease, vec![item(round, 10)], Duration::from_secs(10), T).await
             }
         });
-        while blocker.stats(deadline(T)).await.unwrap().waiting == 0 {
-            tokio::task::yield_now().await;
-        }
+        until_someone_waits(&blocker).await;
         // Room comes: the cache grants the waiting alloc as this release returns ...
         release(&blocker, held).await;
         // ... and the client is gone before the grant reaches it (or, some rounds, not).

@@ -33,7 +33,7 @@ pub fn audio(data: &[u8]) {
 /// A chat completion request's body: JSON, messages and parts, sampling fields.
 pub fn chat_request(data: &[u8]) {
     let Ok(req) = serde_json::from_slice::<ChatRequest>(data) else { return };
-    let _ = mmserve_api::prompt::parse_messages(&req.messages, None);
+    let _ = mmserve_api::prompt::parse_messages(&req.messages);
     let _ = mmserve_api::generate::sampling(&req, 10, 4096);
 }
 

@@ -26,6 +26,11 @@ const RECONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const BATCH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most operations in one coalesced call.
 const MAX_BATCH: usize = 256;
+/// How often a lease's release is sent before it is given up (the connection is then
+/// likely broken, and the cache releases everything of a closed connection).
+const RELEASE_TRIES: u32 = 5;
+/// Pause before sending failed releases again.
+const RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 type Reply = oneshot::Sender<Result<CacheOpResult, RpcFailure>>;
 
@@ -209,11 +214,30 @@ impl Link {
 
 /// Sends what queued up while the previous call was in flight as one `batch` call;
 /// ends when the connection is dropped. A grant whose caller went away meanwhile is
-/// given back by the caller's [`Lease`], whose release is queued behind it.
+/// given back by the caller's [`Lease`], whose release is queued behind it. A lease's
+/// release whose call failed (its deadline passed: the cache was stalled) is sent again
+/// with the next call, a few times: it is idempotent, and nobody else would send it.
 async fn coalesce(link: Arc<Link>, mut rx: mpsc::UnboundedReceiver<(CacheOp, Option<Reply>)>) {
     let mut queued = Vec::with_capacity(MAX_BATCH);
-    while rx.recv_many(&mut queued, MAX_BATCH).await > 0 {
-        let (ops, replies): (Vec<CacheOp>, Vec<Option<Reply>>) = queued.drain(..).unzip();
+    let mut retry: Vec<(CacheOp, u32)> = Vec::new();
+    loop {
+        if retry.is_empty() {
+            if rx.recv_many(&mut queued, MAX_BATCH).await == 0 {
+                return;
+            }
+        } else {
+            tokio::time::sleep(RETRY_PAUSE).await;
+            while queued.len() < MAX_BATCH
+                && let Ok(op) = rx.try_recv()
+            {
+                queued.push(op);
+            }
+        }
+        let again = std::mem::take(&mut retry);
+        let tries: Vec<u32> = again.iter().map(|(_, n)| n + 1).chain(queued.iter().map(|_| 1)).collect();
+        let (ops, replies): (Vec<CacheOp>, Vec<Option<Reply>>) =
+            again.into_iter().map(|(op, _)| (op, None)).chain(queued.drain(..)).unzip();
+        let sent = ops.clone();
         let outcome = link.call(|c| async move { c.batch(deadline(BATCH_TIMEOUT), ops).await }).await;
         let results: Vec<Result<CacheOpResult, RpcFailure>> = match outcome {
             Ok(results) if results.len() == replies.len() => results.into_iter().map(Ok).collect(),
@@ -223,14 +247,15 @@ async fn coalesce(link: Arc<Link>, mut rx: mpsc::UnboundedReceiver<(CacheOp, Opt
             }
             Err(e) => vec![Err(e); replies.len()],
         };
-        for (reply, r) in replies.into_iter().zip(results) {
-            match reply {
-                Some(reply) => drop(reply.send(r)),
-                None => {
-                    if let Err(e) = r {
-                        tracing::warn!("releasing a lease: {e}");
-                    }
+        for (((reply, r), op), n) in replies.into_iter().zip(results).zip(sent).zip(tries) {
+            match (reply, r) {
+                (Some(reply), r) => drop(reply.send(r)),
+                (None, Ok(_)) => {}
+                (None, Err(e)) if n < RELEASE_TRIES => {
+                    tracing::warn!("releasing a lease (try {n}): {e}; trying again");
+                    retry.push((op, n));
                 }
+                (None, Err(e)) => tracing::error!("releasing a lease failed {n} times: {e}; giving up"),
             }
         }
     }

@@ -16,12 +16,70 @@ pub struct TextTokenizer {
     eos_ids: Vec<u32>,
     special_ids: HashSet<u32>,
     max_token_bytes: usize,
-    /// The special tokens' spellings, longest first.
-    special_strings: Vec<String>,
-    /// The same tokenizer reading special tokens' spellings as plain text (made on first use).
-    literal: std::sync::OnceLock<Tokenizer>,
+    /// Finds the special tokens' spellings in a text (none if there are none).
+    special_finder: Option<aho_corasick::AhoCorasick>,
+    /// The tokenizers [`Self::encode_prompt_pieces`] uses (made on first use).
+    variants: std::sync::OnceLock<Variants>,
     /// What the post-processor puts before and after a sequence (BOS, for one).
     wrap: (Vec<u32>, Vec<u32>),
+}
+
+/// The tokenizer reading special tokens' spellings as plain text, and both it and the
+/// plain one for text that continues a prompt (no prefix space added at its start).
+struct Variants {
+    literal: Tokenizer,
+    continuing: Tokenizer,
+    literal_continuing: Tokenizer,
+}
+
+impl Variants {
+    fn of(inner: &Tokenizer) -> Self {
+        let mut literal = inner.clone();
+        literal.set_encode_special_tokens(true);
+        let (continuing, literal_continuing) = (continuing(inner), continuing(&literal));
+        Variants { literal, continuing, literal_continuing }
+    }
+}
+
+/// `t` without what it adds at the start of a text: the prefix space of a Metaspace or
+/// byte-level pre-tokenizer, a `Prepend` normaliser.
+fn continuing(t: &Tokenizer) -> Tokenizer {
+    use tokenizers::{NormalizerWrapper, PreTokenizerWrapper};
+    fn pre(p: &PreTokenizerWrapper) -> PreTokenizerWrapper {
+        match p {
+            PreTokenizerWrapper::Metaspace(m) => {
+                let mut m = m.clone();
+                m.set_prepend_scheme(tokenizers::pre_tokenizers::metaspace::PrependScheme::Never);
+                PreTokenizerWrapper::Metaspace(m)
+            }
+            PreTokenizerWrapper::ByteLevel(b) => {
+                let mut b = *b;
+                b.add_prefix_space = false;
+                PreTokenizerWrapper::ByteLevel(b)
+            }
+            PreTokenizerWrapper::Sequence(s) => PreTokenizerWrapper::Sequence(
+                tokenizers::pre_tokenizers::sequence::Sequence::new(s.as_ref().iter().map(pre).collect()),
+            ),
+            other => other.clone(),
+        }
+    }
+    fn norm(n: &NormalizerWrapper) -> Option<NormalizerWrapper> {
+        match n {
+            NormalizerWrapper::Prepend(_) => None,
+            NormalizerWrapper::Sequence(s) => Some(NormalizerWrapper::Sequence(
+                tokenizers::normalizers::Sequence::new(s.as_ref().iter().filter_map(norm).collect()),
+            )),
+            other => Some(other.clone()),
+        }
+    }
+    let mut out = t.clone();
+    if let Some(p) = t.get_pre_tokenizer() {
+        out.with_pre_tokenizer(Some(pre(p)));
+    }
+    if let Some(n) = t.get_normalizer() {
+        let _ = out.with_normalizer(norm(n));
+    }
+    out
 }
 
 /// The ids the post-processor adds before and after one sequence, found by encoding a
@@ -84,9 +142,10 @@ impl TextTokenizer {
         }
         let added = inner.get_added_tokens_decoder();
         let special_ids = added.iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
-        let mut special_strings: Vec<String> =
-            added.values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.clone()).collect();
-        special_strings.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        let special_strings: Vec<&str> =
+            added.values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.as_str()).collect();
+        let special_finder =
+            (!special_strings.is_empty()).then(|| aho_corasick::AhoCorasick::new(&special_strings).ok()).flatten();
         let wrap = post_processor_wrap(&inner);
         // UTF-8 bytes of the longest vocabulary entry: no token stands for more text
         // (byte-level and SentencePiece spellings take at least as many bytes as the
@@ -99,39 +158,53 @@ impl TextTokenizer {
             eos_ids,
             special_ids,
             max_token_bytes,
-            special_strings,
-            literal: Default::default(),
+            special_finder,
+            variants: Default::default(),
             wrap,
         }
     }
 
-    /// The first special token's spelling found in `text`, if any.
-    pub fn find_special<'a>(&'a self, text: &str) -> Option<&'a str> {
-        self.special_strings.iter().find(|s| text.contains(s.as_str())).map(String::as_str)
+    /// Where the first special token's spelling in `text` is, if any (one pass over the
+    /// text, however many special tokens there are).
+    pub fn find_special(&self, text: &str) -> Option<std::ops::Range<usize>> {
+        self.special_finder.as_ref()?.find(text).map(|m| m.range())
     }
 
     /// Tokenizes a rendered prompt made of pieces: template text, whose special tokens'
     /// spellings are special tokens, and `literal` pieces (text from a client read as
-    /// plain text: a `</s>` typed there is the characters, not the token). Each literal
-    /// piece is tokenized on its own, so the tokens at its edges may differ from those
-    /// of the whole prompt read as one text.
+    /// plain text: a `</s>` typed there is the characters, not the token). Each piece is
+    /// tokenized on its own, pieces after the first without the prefix space that
+    /// SentencePiece-style tokenizers put at the start of a text, and a space ending a
+    /// piece moved to the next, so that a prompt cut at word boundaries gives the tokens
+    /// of the whole; within a word, the tokens at a cut may differ.
     pub fn encode_prompt_pieces(&self, pieces: &[(&str, bool)]) -> Result<Vec<u32>, TextError> {
         if let [(text, false)] = pieces {
             return self.encode_prompt(text);
         }
         let first = pieces.first().map_or("", |p| p.0);
         let add_special = !self.bos_token.as_deref().is_some_and(|b| !b.is_empty() && first.starts_with(b));
-        let literal = self.literal.get_or_init(|| {
-            let mut t = self.inner.clone();
-            t.set_encode_special_tokens(true);
-            t
-        });
+        let v = self.variants.get_or_init(|| Variants::of(&self.inner));
+        // A space ending a piece belongs to the next word (both SentencePiece and
+        // byte-level pre-tokenizers attach one space to the word after it): move it there.
+        let mut pieces: Vec<(String, bool)> = pieces.iter().map(|&(t, l)| (t.to_string(), l)).collect();
+        for i in 1..pieces.len() {
+            if pieces[i - 1].0.ends_with(' ') && !pieces[i].0.is_empty() {
+                pieces[i - 1].0.pop();
+                pieces[i].0.insert(0, ' ');
+            }
+        }
         let mut ids = Vec::new();
         if add_special {
             ids.extend_from_slice(&self.wrap.0);
         }
-        for &(text, is_literal) in pieces.iter().filter(|p| !p.0.is_empty()) {
-            let tok = if is_literal { literal } else { &self.inner };
+        for (i, (text, is_literal)) in pieces.iter().enumerate().filter(|(_, p)| !p.0.is_empty()) {
+            let (text, is_literal) = (text.as_str(), *is_literal);
+            let tok = match (i == 0, is_literal) {
+                (true, false) => &self.inner,
+                (true, true) => &v.literal,
+                (false, false) => &v.continuing,
+                (false, true) => &v.literal_continuing,
+            };
             let enc = tok.encode_fast(text, false).map_err(|e| TextError::Encode(e.to_string()))?;
             ids.extend_from_slice(enc.get_ids());
         }

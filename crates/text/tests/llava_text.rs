@@ -91,5 +91,17 @@ fn literal_pieces_keep_the_post_processors_bos() {
     assert_eq!(pieces.iter().filter(|&&t| t == whole[0]).count(), 1);
     let eos = tok.eos_ids()[0];
     assert!(!pieces.contains(&eos), "a typed </s> read literally is text: {pieces:?}");
+    assert_eq!(
+        tok.decode(&pieces, false),
+        tok.decode(&tok.encode_prompt("USER: hello</s> ASSISTANT:").unwrap(), false)
+    );
+    // Cut at word boundaries, the pieces give the tokens of the whole.
+    for cut in [
+        [("USER:", false), (" hello there", true), (" ASSISTANT:", false)],
+        [("USER: ", false), ("hello there ", true), ("ASSISTANT:", false)],
+    ] {
+        let ids = tok.encode_prompt_pieces(&cut).unwrap();
+        assert_eq!(ids, tok.encode_prompt("USER: hello there ASSISTANT:").unwrap(), "{cut:?}");
+    }
     assert!(tok.encode_prompt("USER: hello</s> ASSISTANT:").unwrap().contains(&eos), "parsed, it is EOS");
 }

@@ -241,6 +241,8 @@ fn literal_pieces_read_special_spellings_as_text() {
     assert_eq!(ids.iter().filter(|&&t| t == IM_START).count(), 1, "only the template's <|im_start|>");
     assert_eq!(ids.iter().filter(|&&t| t == IM_END).count(), 1, "only the template's <|im_end|>");
     assert_eq!(tok.decode(&ids, false), format!("<|im_start|>user\n{typed}<|im_end|>\n"));
+    let cut = [("<|im_start|>user\n", false), ("hello there", true), ("<|im_end|>\n", false)];
+    assert_eq!(tok.encode_prompt_pieces(&cut).unwrap(), encode("<|im_start|>user\nhello there<|im_end|>\n"));
     // Parsed, the same text holds the tokens themselves.
     let parsed = encode(&format!("<|im_start|>user\n{typed}<|im_end|>\n"));
     assert_eq!(parsed.iter().filter(|&&t| t == IM_START).count(), 2);

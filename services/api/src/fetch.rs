@@ -109,16 +109,29 @@ async fn file(url: &str, policy: &FetchPolicy, param: &str) -> Result<Vec<u8>, A
     let rel = local::relative_beneath(&path, root).ok_or_else(|| local::LocalError::Outside.into_api(param, max))?;
     let root = root.clone();
     // The syscalls block (a slow disk, a network file system): off the event loop, and no
-    // longer than the fetch deadline (a stuck read keeps its thread, never the request).
-    let read = tokio::task::spawn_blocking(move || local::read_beneath(&root, &rel, max));
+    // longer than the fetch deadline (a stuck read keeps its thread and its place among
+    // FILE_READS, never the request, and never more than FILE_READS threads).
+    let late = || bad(param, format!("fetching the media took longer than {} s", policy.timeout.as_secs()));
+    let read = async {
+        let place = FILE_READS.acquire().await.map_err(|_| ApiError::Internal("file reads closed".into()))?;
+        tokio::task::spawn_blocking(move || {
+            let _place = place;
+            local::read_beneath(&root, &rel, max)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("file read task: {e}")))
+    };
     match tokio::time::timeout(policy.timeout, read).await {
-        Err(_) => Err(bad(param, format!("fetching the media took longer than {} s", policy.timeout.as_secs()))),
-        Ok(Err(e)) => Err(ApiError::Internal(format!("file read task: {e}"))),
+        Err(_) => Err(late()),
+        Ok(Err(e)) => Err(e),
         Ok(Ok(r)) => r.map_err(|e| e.into_api(param, max)),
     }
 }
 
 mod local;
+
+/// `file://` reads in progress at most (each on a blocking thread).
+static FILE_READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(16);
 
 /// Whether an address may be fetched without `--allow-private-media-addresses`.
 pub fn is_public(ip: IpAddr) -> bool {

@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::load::Queued;
 use crate::media::{MediaItem, check_kind, prepare};
 use crate::openai::ChatRequest;
-use crate::prompt::{Literal, check_text_fits, expand, parse_messages, tokenize};
+use crate::prompt::{check_text_fits, expand, mark_literal, parse_messages, tokenize};
 use crate::state::AppState;
 
 /// Holds a request's cache references and its place in the engine. Dropping it (the
@@ -198,8 +198,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     {
         return Err(ApiError::ModelNotFound(model.clone()));
     }
-    let literal = state.literal_marks.as_ref().map(|marks| Literal { marks, tokenizer: &state.tokenizer });
-    let parsed = parse_messages(&req.messages, literal)?;
+    let parsed = parse_messages(&req.messages)?;
     if parsed.items.len() > state.limits.max_items {
         return Err(ApiError::bad_param(
             "messages",
@@ -215,8 +214,11 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     }
     check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
     let ids = {
-        let (st, messages, text_bytes) = (state.clone(), parsed.template_messages.clone(), parsed.text_bytes);
+        let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages.clone(), parsed.text_bytes);
         cpu::run(&state.limits.cpu_slots, "tokenizing prompts", move || {
+            if let Some(marks) = &st.literal_marks {
+                mark_literal(&mut messages, marks, &st.tokenizer);
+            }
             let ids = tokenize(&st.template, &st.tokenizer, &messages, st.literal_marks.as_ref());
             drop(messages);
             if text_bytes > LARGE_TEXT {

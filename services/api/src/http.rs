@@ -27,7 +27,7 @@ pub struct HttpLimits {
 /// Serves `app` until `shutdown` resolves, then lets open connections finish their
 /// requests (at most [`SHUTDOWN_GRACE`]).
 pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutdown: impl Future<Output = ()>) {
-    let max = limits.max_connections.clamp(1, Semaphore::MAX_PERMITS);
+    let max = limits.max_connections.clamp(1, u32::MAX as usize);
     let places = Arc::new(Semaphore::new(max));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut backoff = Duration::from_millis(10);
@@ -46,7 +46,10 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutd
                 Err(e) => {
                     // Out of descriptors, say: retrying at once would spin.
                     tracing::warn!("accept failed: {e}; pausing {backoff:?}");
-                    tokio::time::sleep(backoff).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = &mut shutdown => break,
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                     continue;
                 }

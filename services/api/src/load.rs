@@ -1,4 +1,4 @@
-//! Load shedding. A request counts as queued from the moment the api accepts it until
+//! Load shedding. A request counts as queued from the moment its body has arrived until
 //! its first token (while its media are fetched, while it waits for cache room, for the
 //! encoder, in the engine's queue). Beyond `--max-queued-requests` queued requests, or
 //! `--max-queued-prompt-tokens` of their prompts, a new request is answered 429 with

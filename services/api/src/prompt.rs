@@ -69,24 +69,24 @@ impl LiteralMarks {
     }
 }
 
-/// The messages' text is read literally only where it holds a special token's spelling:
-/// other text is tokenized with the whole prompt, exactly as transformers does.
-pub struct Literal<'a> {
-    pub marks: &'a LiteralMarks,
-    pub tokenizer: &'a TextTokenizer,
-}
-
-impl Literal<'_> {
-    fn text(&self, t: &str) -> String {
-        match self.tokenizer.find_special(t) {
-            Some(_) => self.marks.wrap(t),
-            None => t.to_string(),
+/// Marks the messages' text parts that hold a special token's spelling, so that they are
+/// read literally; other text is tokenized with the whole prompt, exactly as transformers
+/// does. (Runs on the CPU pool: it scans all the text.)
+pub fn mark_literal(messages: &mut Value, marks: &LiteralMarks, tokenizer: &TextTokenizer) {
+    let Some(messages) = messages.as_array_mut() else { return };
+    for m in messages {
+        let Some(parts) = m.get_mut("content").and_then(Value::as_array_mut) else { continue };
+        for p in parts {
+            if let Some(Value::String(t)) = p.get_mut("text")
+                && tokenizer.find_special(t).is_some()
+            {
+                *t = marks.wrap(t);
+            }
         }
     }
 }
 
-pub fn parse_messages(messages: &[Message], literal: Option<Literal<'_>>) -> Result<ParsedMessages, ApiError> {
-    let text_of = |t: &str| literal.as_ref().map_or_else(|| t.to_string(), |l| l.text(t));
+pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_param("messages", "`messages` must not be empty"));
     }
@@ -103,7 +103,7 @@ pub fn parse_messages(messages: &[Message], literal: Option<Literal<'_>>) -> Res
             None => Vec::new(),
             Some(Content::Text(t)) => {
                 text_bytes += t.len();
-                vec![json!({"type": "text", "text": text_of(t)})]
+                vec![json!({"type": "text", "text": t})]
             }
             Some(Content::Parts(parts)) => {
                 let mut v = Vec::with_capacity(parts.len());
@@ -113,7 +113,7 @@ pub fn parse_messages(messages: &[Message], literal: Option<Literal<'_>>) -> Res
                     {
                         Part::Text(t) => {
                             text_bytes += t.len();
-                            v.push(json!({"type": "text", "text": text_of(&t)}))
+                            v.push(json!({"type": "text", "text": t}))
                         }
                         Part::ImageUrl(url) => {
                             items.push(ItemSource::Image(url));

@@ -91,9 +91,11 @@ async fn chat(state: Arc<AppState>, body: Body, max_body_bytes: usize) -> Respon
 }
 
 async fn chat_inner(state: &Arc<AppState>, body: Body, max_body_bytes: usize) -> Result<Response, ApiError> {
-    // Shed load before doing anything for the request, reading its body included.
-    let queued = state.load.enter()?;
+    // The body first (bounded by its timeout and size, and the connection cap), so that
+    // clients sending slowly hold a connection, not a place in the queue; then shed load
+    // before any work for the request.
     let body = read_body(state, body, max_body_bytes).await?;
+    let queued = state.load.enter()?;
     let req: ChatRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid chat completion request: {e}")))?;
     drop(body);

@@ -13,7 +13,7 @@
 //! back however the request ended, so a request whose client vanished while its alloc
 //! was in flight cannot leave references behind either.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -50,11 +50,12 @@ struct Inner {
 
 /// Leases released before their alloc was decided (the release overtook the alloc on
 /// the way, or the alloc still waits to be read): an alloc under one is refused. Each is
-/// forgotten once no alloc under it can still arrive (the linger its client names).
+/// forgotten when its alloc comes, when its connection closes, or once no alloc under it
+/// can still arrive (the linger its client names).
 #[derive(Default)]
 struct Cancelled {
     until: HashMap<Holder, Instant>,
-    order: VecDeque<(Instant, Holder)>,
+    by_expiry: BTreeSet<(Instant, Holder)>,
 }
 
 /// The longest a cancelled lease is remembered.
@@ -64,29 +65,32 @@ impl Cancelled {
     fn insert(&mut self, h: Holder, linger_ms: u64, now: Instant) {
         self.sweep(now);
         let until = now + Duration::from_millis(linger_ms.min(MAX_LINGER_MS));
-        self.until.insert(h, until);
-        self.order.push_back((until, h));
+        if let Some(old) = self.until.insert(h, until) {
+            self.by_expiry.remove(&(old, h));
+        }
+        self.by_expiry.insert((until, h));
     }
 
     /// Whether an alloc under `h` must be refused (and forgets `h`: one alloc per lease).
     fn take(&mut self, h: Holder, now: Instant) -> bool {
         self.sweep(now);
-        self.until.remove(&h).is_some()
+        match self.until.remove(&h) {
+            Some(until) => self.by_expiry.remove(&(until, h)),
+            None => false,
+        }
     }
 
     fn forget_conn(&mut self, conn: Owner) {
         self.until.retain(|h, _| h.conn != conn);
+        self.by_expiry.retain(|(_, h)| h.conn != conn);
     }
 
     fn sweep(&mut self, now: Instant) {
-        while let Some(&(t, h)) = self.order.front() {
-            if t > now && self.order.len() <= 4 * self.until.len().max(16) {
-                break;
-            }
-            self.order.pop_front();
-            if self.until.get(&h).is_some_and(|&u| u <= now) {
-                self.until.remove(&h);
-            }
+        while let Some(&(t, h)) = self.by_expiry.first()
+            && t <= now
+        {
+            self.by_expiry.pop_first();
+            self.until.remove(&h);
         }
     }
 

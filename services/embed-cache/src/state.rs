@@ -425,18 +425,17 @@ impl CacheState {
         r.last_use_at = Instant::now();
     }
 
-    /// Drops one reference per id held by `owner`; refuses all if any is not held.
+    /// Drops one reference per id held by `owner`; refuses all if any is not held. Ids of
+    /// records that are gone (an operator dropped them, with their references) are
+    /// skipped: there is nothing left to release.
     pub fn release(&mut self, owner: impl Into<Holder>, ids: &[u64]) -> Result<(), CacheError> {
         let owner = owner.into();
         let mut counts: HashMap<u64, u32> = HashMap::new();
-        for &id in ids {
+        for &id in ids.iter().filter(|id| self.records.contains_key(id)) {
             *counts.entry(id).or_default() += 1;
         }
         let held = self.held.get(&owner);
         for (&id, &n) in &counts {
-            if !self.records.contains_key(&id) {
-                return Err(CacheError::UnknownItem(id));
-            }
             if held.and_then(|h| h.get(&id)).copied().unwrap_or(0) < n {
                 return Err(CacheError::NotReferenced(id));
             }

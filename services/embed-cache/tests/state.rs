@@ -319,7 +319,7 @@ fn an_unwritten_item_is_abandoned_at_its_data_deadline() {
 fn stuck_items_are_listed_and_dropped_with_their_references() {
     let mut s = CacheState::new(limits(100, 10)).with_data_timeout(Duration::ZERO);
     let leaked = s.try_alloc(lease(A, 1), &[item(1, 5)]).unwrap(); // never written, never released
-    alloc(&mut s, B, &[item(2, 5)]); // written, in use
+    let busy = alloc(&mut s, B, &[item(2, 5)]); // written, in use
     let listed = s.list();
     let info = |b: u8| listed.iter().find(|i| i.digest == ItemKey([b; 16])).unwrap().clone();
     assert!(info(1).stuck && !info(1).data_ready);
@@ -330,7 +330,10 @@ fn stuck_items_are_listed_and_dropped_with_their_references() {
     assert_eq!(s.release_lease(lease(A, 1)), 0, "its references went with it");
     assert!(matches!(s.data_ready(&ids(&leaked)), Err(CacheError::UnknownItem(_))));
     s.check().unwrap();
+    const ENCODER: Owner = 9;
+    assert_eq!(s.pin(ENCODER, &[busy[0].id]), vec![true]);
     assert_eq!(s.drop_item(ItemKey([2; 16]), true, Instant::now()).unwrap(), 1, "force drops a referenced item");
+    s.release(ENCODER, &[busy[0].id]).unwrap(); // a pin of a dropped item: nothing left to release
     assert_eq!((s.stats().items, s.stats().references, s.stats().slots_used), (0, 0, 0));
     assert!(matches!(s.drop_item(ItemKey([9; 16]), true, Instant::now()), Err(AdminError::NotFound(_))));
     s.check().unwrap();

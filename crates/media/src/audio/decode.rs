@@ -45,6 +45,7 @@ use symphonia::core::io::MediaSourceStream;
 use symphonia::core::meta::MetadataOptions;
 
 use super::AudioError;
+use super::error::MAX_SAMPLE;
 
 /// The rate every decoded [`Waveform`] has: what Whisper-style feature extractors expect.
 pub const TARGET_SAMPLE_RATE: u32 = 16_000;
@@ -102,6 +103,18 @@ impl Waveform {
 /// Ogg Vorbis and M4A/MP4 (AAC-LC) to 16 kHz mono. `format_hint` is a file extension (`"mp3"`,
 /// `".wav"`) or a MIME type (`"audio/mpeg"`); the content decides, the hint only breaks ties.
 pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimits) -> Result<Waveform, AudioError> {
+    guarded(|| decode(bytes, format_hint, limits))
+}
+
+/// Runs the container and codec readers so that a panic inside them (arithmetic
+/// overflow on a hostile header, found by fuzzing) is the client's error, not the
+/// process's: the readers are third-party code, and their input is the client's.
+fn guarded<T>(f: impl FnOnce() -> Result<T, AudioError>) -> Result<T, AudioError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err(AudioError::Undecodable("the audio reader failed on this input".into())))
+}
+
+fn decode(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimits) -> Result<Waveform, AudioError> {
     let mut reader = open(bytes, format_hint)?;
     let (track_id, params, stated) = audio_track(reader.as_ref())?;
     // A stated rate is checked before anything is allocated; a container that states none gets
@@ -213,6 +226,9 @@ pub fn decode_audio(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimit
     }
     // Checked again where it matters: nothing longer than the limit reaches the resampler.
     check_length(mono.len(), rate, limits)?;
+    if !mono.iter().all(|x| x.abs() <= MAX_SAMPLE) {
+        return Err(AudioError::BadSamples); // NaN fails the comparison too
+    }
     let mut samples = resample(mono, rate, TARGET_SAMPLE_RATE)?;
     samples.truncate(limits.keep_samples.unwrap_or(usize::MAX));
     Ok(Waveform { samples, sample_rate: TARGET_SAMPLE_RATE, source_rate: rate, channels })
@@ -255,8 +271,10 @@ fn check_length(frames: usize, rate: u32, limits: &AudioLimits) -> Result<(), Au
 /// The duration (seconds) the container's header states, reading nothing else; `None` when the
 /// container does not state one (e.g. an MP3 without a Xing/Info header, or a streamed WAV).
 pub fn probe_duration(bytes: &[u8], format_hint: Option<&str>) -> Result<Option<f64>, AudioError> {
-    let reader = open(bytes, format_hint)?;
-    Ok(audio_track(reader.as_ref())?.2.seconds)
+    guarded(|| {
+        let reader = open(bytes, format_hint)?;
+        Ok(audio_track(reader.as_ref())?.2.seconds)
+    })
 }
 
 /// What the header says about the length.
@@ -281,6 +299,7 @@ fn open<'a>(bytes: &'a [u8], format_hint: Option<&str>) -> Result<Box<dyn Format
         }
         _ => {}
     }
+    check_wav_channels(bytes)?;
     let mss = MediaSourceStream::new(Box::new(Cursor::new(unstream_wav(bytes))), Default::default());
     symphonia::default::get_probe().probe(&hint, mss, FormatOptions::default(), MetadataOptions::default()).map_err(
         |e| match (e, unsupported_container(bytes)) {
@@ -415,9 +434,36 @@ fn unstream_wav(bytes: &[u8]) -> Cow<'_, [u8]> {
             patched[at + 4..at + 8].copy_from_slice(&real.to_le_bytes());
             return Cow::Owned(patched);
         }
-        at += 8 + len as usize + (len as usize & 1);
+        at = at.saturating_add(8).saturating_add(len as usize).saturating_add(len as usize & 1);
     }
     Cow::Borrowed(bytes)
+}
+
+/// Most channels a WAV file may declare: no recording has more, and the WAV reader's
+/// arithmetic on the count (channels × bytes per sample in 16 bits) must not overflow.
+const MAX_WAV_CHANNELS: u16 = 64;
+
+/// Refuses a WAV `fmt ` chunk that declares no channels or absurdly many.
+fn check_wav_channels(bytes: &[u8]) -> Result<(), AudioError> {
+    if bytes.get(..4) != Some(b"RIFF") || bytes.get(8..12) != Some(b"WAVE") {
+        return Ok(());
+    }
+    let mut at = 12usize;
+    while let Some(header) = bytes.get(at..at.saturating_add(8)) {
+        let len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
+        if &header[..4] == b"fmt " {
+            let Some(c) = bytes.get(at + 10..at + 12) else { return Ok(()) };
+            let channels = u16::from_le_bytes([c[0], c[1]]);
+            if channels == 0 || channels > MAX_WAV_CHANNELS {
+                return Err(AudioError::Undecodable(format!(
+                    "the WAV header declares {channels} channels (at most {MAX_WAV_CHANNELS} are read)"
+                )));
+            }
+            return Ok(());
+        }
+        at = at.saturating_add(8).saturating_add(len).saturating_add(len & 1);
+    }
+    Ok(())
 }
 
 /// Names a few containers that the prober does not read, from their magic bytes.

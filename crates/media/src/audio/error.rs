@@ -1,6 +1,9 @@
 //! Why audio was refused. Every message is meant to be shown to the client as-is (it becomes the
 //! text of an HTTP 400 answer).
 
+/// The largest sample magnitude accepted (float formats may store any value; ±1 is full scale).
+pub const MAX_SAMPLE: f32 = 65536.0;
+
 /// Why an audio clip was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AudioError {
@@ -23,6 +26,12 @@ pub enum AudioError {
     /// No bytes at all, or a stream without a single sample.
     #[error("the audio is empty")]
     Empty,
+    /// Float samples that are NaN, infinite or absurdly large: no recording holds them, and
+    /// they would poison the resampler and the features.
+    #[error(
+        "the audio holds samples that are not finite numbers of sane size (NaN, infinity, or beyond ±{MAX_SAMPLE})"
+    )]
+    BadSamples,
     /// Longer than allowed: known from the container's header (nothing was decoded), or counted
     /// while decoding (decoding stopped as soon as the limit was passed).
     #[error("the audio is too long: {} exceeds the limit of {max_seconds} s", describe_length(*.seconds))]
