@@ -94,6 +94,16 @@ async fn hostile_audio_is_refused_quickly_and_sane_audio_still_works() {
     assert_eq!(err["param"], "audio_url");
     assert_eq!(server.metric("mmserve_embed_cache_items").await, 0, "a refused clip reached the cache");
 
+    // Twelve 30 s clips are 9,000 audio tokens, more than the context of 8,192: refused
+    // from their headers' lengths, with the message of that check.
+    let long = b64(&wav16(&tone(30.0, 8000), 8000, None));
+    let mut parts: Vec<Value> =
+        (0..12).map(|_| json!({"type": "input_audio", "input_audio": {"data": long, "format": "wav"}})).collect();
+    parts.push(json!({"type": "text", "text": "What are they?"}));
+    let (status, body) = server.chat(&json!({"messages": [{"role": "user", "content": parts}], "max_tokens": 2})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("text and media take more than"), "{body}");
+
     // 4 and 8 kHz, declared as audio: fine. A 45 s clip: its first 30 s are heard (750 tokens).
     for (seconds, rate, tokens) in [(1.5, 4000, 37), (1.5, 8000, 37), (45.0, 16_000, 750)] {
         let wav = wav16(&tone(seconds, rate), rate, None);

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use crate::cpu;
 use crate::error::ApiError;
 use crate::load::Queued;
-use crate::media::{MediaItem, check_kind, prepare};
+use crate::media::{MediaItem, TokenBudget, check_kind, prepare};
 use crate::openai::ChatRequest;
 use crate::prompt::{check_text_fits, expand, mark_literal, parse_messages, tokenize};
 use crate::state::AppState;
@@ -230,9 +230,11 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     };
 
     // Media: fetched, checked and keyed, all items at once.
-    let items: Vec<MediaItem> =
-        futures::future::try_join_all(parsed.items.iter().map(|src| prepare(src, &state.limits, &state.fingerprint)))
-            .await?;
+    let budget = TokenBudget::new(state.max_model_len, (ids.len() as u64).saturating_sub(parsed.items.len() as u64));
+    let items: Vec<MediaItem> = futures::future::try_join_all(
+        parsed.items.iter().map(|src| prepare(src, &state.limits, &state.fingerprint, &budget)),
+    )
+    .await?;
     let tokens_of =
         |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));

@@ -131,8 +131,44 @@ pub fn check_kind(src: &ItemSource, model: &ModelMedia, model_name: &str) -> Res
     Err(ApiError::bad_param(param(src), format!("model {model_name} accepts text and {takes}, not {sent}")))
 }
 
-/// Fetches, checks and keys one item.
-pub async fn prepare(src: &ItemSource, limits: &MediaLimits, fingerprint: &str) -> Result<MediaItem, ApiError> {
+/// The prompt tokens a request's media may still take: each item takes at least what its
+/// header promises before it is decoded, so a request whose text and media cannot fit the
+/// context is refused before its audio is decoded. (The exact count is checked once every
+/// item is ready.)
+pub struct TokenBudget {
+    left: std::sync::atomic::AtomicU64,
+    context: u64,
+}
+
+impl TokenBudget {
+    /// What `context` leaves after `text_tokens`.
+    pub fn new(context: u64, text_tokens: u64) -> Arc<Self> {
+        Arc::new(TokenBudget { left: context.saturating_sub(text_tokens).into(), context })
+    }
+
+    fn take(&self, n: u64, param: &str) -> Result<(), ApiError> {
+        use std::sync::atomic::Ordering;
+        self.left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(n)).map(drop).map_err(
+            |_| {
+                ApiError::bad_param(
+                    param,
+                    format!(
+                        "the prompt's text and media take more than this model's context of {} tokens",
+                        self.context
+                    ),
+                )
+            },
+        )
+    }
+}
+
+/// Fetches, checks and keys one item, taking its tokens from `budget`.
+pub async fn prepare(
+    src: &ItemSource,
+    limits: &MediaLimits,
+    fingerprint: &str,
+    budget: &Arc<TokenBudget>,
+) -> Result<MediaItem, ApiError> {
     let p = param(src);
     let (bytes, hint) = match src {
         ItemSource::Image(url) => {
@@ -148,12 +184,13 @@ pub async fn prepare(src: &ItemSource, limits: &MediaLimits, fingerprint: &str) 
             (base64_payload(data, limits.fetch.max_bytes, p)?, format)
         }
     };
-    let (limits, fingerprint) = (limits.clone(), fingerprint.to_string());
+    let (limits, fingerprint, budget) = (limits.clone(), fingerprint.to_string(), budget.clone());
     cpu::run(&limits.cpu_slots.clone(), "checking media", move || match &limits.model {
         ModelMedia::Image { processor, model_tokens } => {
+            budget.take(u64::from(*model_tokens), p)?;
             check_image(bytes, &limits.image, processor, *model_tokens, &fingerprint)
         }
-        ModelMedia::Audio(fe) => audio(bytes, hint.as_deref(), &limits.audio, fe, &fingerprint, p),
+        ModelMedia::Audio(fe) => audio(bytes, hint.as_deref(), &limits.audio, fe, &fingerprint, p, &budget),
     })
     .await?
 }
@@ -192,12 +229,21 @@ fn audio(
     fe: &WhisperFeatureExtractor,
     fingerprint: &str,
     param: &str,
+    budget: &TokenBudget,
 ) -> Result<MediaItem, ApiError> {
     use mmserve_media::audio::AudioError;
     let bad = |e: AudioError| match e {
         AudioError::TooLong { .. } => ApiError::bad_param(param, format!("{e} (--max-audio-seconds)")),
         e => ApiError::bad_param(param, e.to_string()),
     };
+    // Tokens from the length the header states, before decoding: a lower bound (a stated
+    // length may exceed what decodes by the codec's padding, hence the 5% off).
+    if let Ok(Some(seconds)) = mmserve_media::audio::probe_duration(&bytes, hint) {
+        let samples = (seconds.min(fe.n_samples as f64 / f64::from(fe.sampling_rate))
+            * 0.95
+            * f64::from(fe.sampling_rate)) as usize;
+        budget.take(fe.qwen2_audio_tokens_for(samples).unwrap_or(0) as u64, param)?;
+    }
     // The model hears the first 30 s (transformers truncates likewise): nothing past them
     // is resampled or kept, nor decoded when the header states the length.
     let limits = AudioLimits { keep_samples: Some(fe.n_samples), ..limits.clone() };
