@@ -63,7 +63,11 @@ fn too_large(param: &str, max: usize) -> ApiError {
 
 /// Decodes a `data:` URL's base64 payload.
 pub fn data_url(url: &str, max_bytes: usize, param: &str) -> Result<Vec<u8>, ApiError> {
-    let rest = &url["data:".len()..];
+    let rest = url
+        .get(..5)
+        .filter(|s| s.eq_ignore_ascii_case("data:"))
+        .map(|_| &url[5..])
+        .ok_or_else(|| bad(param, "not a data: URL"))?;
     let (meta, payload) = rest.split_once(',').ok_or_else(|| bad(param, "malformed data: URL (no comma)"))?;
     if !meta.ends_with(";base64") {
         return Err(bad(param, "data: URLs must be base64-encoded (`;base64,`)"));
