@@ -181,6 +181,7 @@ async fn a_disconnect_storm_leaves_nothing_held() {
         ("mmserve_queued_requests", 0),
         ("mmserve_running_requests", 0),
         ("mmserve_waiting_requests", 0),
+        ("mmserve_kv_blocks_used", 0),
     ] {
         let got = server.metric_becomes(metric, want).await;
         assert_eq!(got, want, "{metric}");

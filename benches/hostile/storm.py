@@ -70,7 +70,7 @@ async def disconnect(a):
           f"{len(res) - done - vanished} other")
     deadline = time.monotonic() + 60
     keys = ["mmserve_embed_cache_references", "mmserve_embed_cache_waiting", "mmserve_running_requests",
-            "mmserve_waiting_requests", "mmserve_queued_requests"]
+            "mmserve_waiting_requests", "mmserve_queued_requests", "mmserve_kv_blocks_used"]
     while True:
         m = metrics(a.url)
         if all(m.get(k, 0) == 0 for k in keys) or time.monotonic() > deadline:

@@ -37,10 +37,35 @@ pub fn chat_request(data: &[u8]) {
     let _ = mmserve_api::generate::sampling(&req, 10, 4096);
 }
 
-/// `data:` URLs and base64 payloads as an image or audio part carries them.
+/// Media URLs as a part carries them: `data:` URLs and base64 payloads, and the whole of
+/// `fetch` under a policy that reaches nothing (no host and no local path allowed: every
+/// http(s) and file URL is parsed and refused before any I/O), and the address check of
+/// IP literals.
 pub fn media_url(data: &[u8]) {
     let Ok(url) = std::str::from_utf8(data) else { return };
     let _ = mmserve_api::fetch::data_url(url, 1 << 16, "url");
     let _ = mmserve_api::fetch::data_url_type(url);
     let _ = mmserve_api::fetch::base64_payload(url, 1 << 16, "data");
+    let policy = mmserve_api::fetch::FetchPolicy {
+        allowed_domains: Vec::new(),
+        allow_all_domains: false,
+        allow_private_addresses: false,
+        local_root: None,
+        max_bytes: 1 << 16,
+        timeout: std::time::Duration::from_secs(1),
+        max_redirects: 3,
+    };
+    let _ = runtime().block_on(mmserve_api::fetch::fetch(url, &policy, "url"));
+    if let Ok(parsed) = url::Url::parse(url) {
+        match parsed.host() {
+            Some(url::Host::Ipv4(ip)) => drop(mmserve_api::fetch::is_public(ip.into())),
+            Some(url::Host::Ipv6(ip)) => drop(mmserve_api::fetch::is_public(ip.into())),
+            _ => {}
+        }
+    }
+}
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime"))
 }
