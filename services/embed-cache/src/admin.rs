@@ -1,9 +1,10 @@
 //! The admin listener: `CacheAdmin` over TCP (loopback by default), every call checked
 //! against the admin token in constant time.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -14,7 +15,7 @@ use tarpc::context::Context;
 use tarpc::server::{BaseChannel, Channel};
 use tarpc::tokio_serde::formats::Bincode;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::codec::{Decoder, Encoder, Framed, LengthDelimitedCodec};
 
 use crate::CacheService;
@@ -33,7 +34,8 @@ const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 /// token must not wedge it, nor take time from the data path.
 #[derive(Debug, Clone, Copy)]
 pub struct AdminLimits {
-    /// Connections served at once; beyond it a new connection is closed at once.
+    /// Connections served at once; beyond it a new connection takes the place of the
+    /// oldest one that has not authenticated, or is closed at once.
     pub max_connections: usize,
     /// A connection that has not made an authenticated call by then is closed.
     pub auth_timeout: Duration,
@@ -68,8 +70,19 @@ pub fn spawn(
     })
 }
 
+/// What the accept loop knows of a connection it serves.
+struct Served {
+    authenticated: Arc<AtomicBool>,
+    /// Told to close, to make room for a newer connection.
+    evict: Arc<Notify>,
+}
+
 async fn serve(listener: TcpListener, admin: Admin, limits: AdminLimits) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let places = Arc::new(Semaphore::new(limits.max_connections));
+    // Connections in the order they came; the oldest one that has not authenticated
+    // makes room when all places are taken, so that a flood of connections without the
+    // token cannot keep an operator out: the flood evicts itself.
+    let mut served: VecDeque<Weak<Served>> = VecDeque::new();
     let mut backoff = Duration::from_millis(10);
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -86,26 +99,54 @@ async fn serve(listener: TcpListener, admin: Admin, limits: AdminLimits) {
                 continue;
             }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            // Closed at once (never left in CLOSE-WAIT): the client sees a reset.
-            drop(stream);
-            continue;
+        let place = match places.clone().try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                evict_oldest_unauthenticated(&mut served);
+                match tokio::time::timeout(EVICTION_WAIT, places.clone().acquire_owned()).await {
+                    Ok(Ok(place)) => place,
+                    // Every place is held by an operator's connection: closed at once
+                    // (never left in CLOSE-WAIT), the client sees a reset.
+                    _ => continue,
+                }
+            }
         };
+        let state =
+            Arc::new(Served { authenticated: Arc::new(AtomicBool::new(false)), evict: Arc::new(Notify::new()) });
+        served.retain(|w| w.strong_count() > 0);
+        served.push_back(Arc::downgrade(&state));
         let admin = admin.clone();
         tokio::spawn(async move {
-            serve_connection(stream, peer, admin, limits).await;
-            drop(permit);
+            serve_connection(stream, peer, admin, limits, &state).await;
+            drop(place);
         });
     }
 }
 
+/// How long a new connection waits for an evicted one's place.
+const EVICTION_WAIT: Duration = Duration::from_secs(1);
+
+fn evict_oldest_unauthenticated(served: &mut VecDeque<Weak<Served>>) {
+    let mut kept = VecDeque::new();
+    while let Some(w) = served.pop_front() {
+        let Some(s) = w.upgrade() else { continue };
+        if !s.authenticated.load(Ordering::Relaxed) {
+            s.evict.notify_one();
+            break;
+        }
+        kept.push_back(w);
+    }
+    kept.append(served);
+    *served = kept;
+}
+
 /// One connection: closed when its peer closes, when it has not authenticated within
-/// the auth timeout, or when it has been idle too long.
-async fn serve_connection(stream: TcpStream, peer: SocketAddr, admin: Admin, limits: AdminLimits) {
+/// the auth timeout, when it has been idle too long, or when it is evicted.
+async fn serve_connection(stream: TcpStream, peer: SocketAddr, admin: Admin, limits: AdminLimits, state: &Served) {
     let _ = stream.set_nodelay(true);
     let framed = Framed::new(stream, Frames::default());
     let transport = tarpc::tokio_serde::Framed::new(framed, Bincode::<ClientMessage, ServerMessage>::default());
-    let conn = Connection { admin, authenticated: Arc::new(AtomicBool::new(false)), activity: Default::default() };
+    let conn = Connection { admin, authenticated: state.authenticated.clone(), activity: Default::default() };
     let calls = BaseChannel::with_defaults(transport)
         .execute(conn.clone().serve())
         .for_each_concurrent(MAX_IN_FLIGHT, |response| response);
@@ -126,6 +167,7 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, admin: Admin, lim
     tokio::select! {
         _ = calls => {}
         _ = watchdog => {}
+        _ = state.evict.notified() => tracing::debug!(%peer, "admin connection closed to make room"),
     }
 }
 

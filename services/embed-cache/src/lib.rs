@@ -46,7 +46,8 @@ pub struct CacheArgs {
 /// Bounds of the admin listener.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AdminLimitArgs {
-    /// Admin connections served at once; more are closed at once.
+    /// Admin connections served at once; a new one beyond it takes the place of the
+    /// oldest that has not authenticated yet (a flood without the token evicts itself).
     #[arg(long, env = "MMSERVE_ADMIN_MAX_CONNECTIONS", default_value_t = 64)]
     pub admin_max_connections: usize,
     /// Seconds a new admin connection has to make an authenticated call before it is closed.
