@@ -175,7 +175,7 @@ async fn colliding_md5_inputs_get_their_own_embeddings() {
         CacheProc::start(&dir.join("c.sock"), &format!("mmserve-test-collide-{}", std::process::id()), 100, 100, None);
     let c = cache.client().await;
     let info = c.arena(deadline(T)).await.unwrap();
-    let view = mmserve_embed_cache::ArenaView::open(&info).unwrap();
+    let view = mmserve_arena::ArenaView::open(&info).unwrap();
     let rows = embedding_rows(&view);
     let mut records = Vec::new();
     for (n, bytes) in pair.iter().enumerate() {
@@ -307,6 +307,8 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     let mut cache = CacheProc::start(&socket, &first, 100, 100, None);
     let conn = mmserve_protocol::reconnect::CacheConnection::connect(&socket, Duration::from_secs(5)).await.unwrap();
     let a1 = conn.call(|c| async move { c.arena(deadline(T)).await }).await.unwrap();
+    let map = mmserve_arena::ArenaMap::connect(&conn, T).await.unwrap();
+    assert_eq!(map.current().info.instance, a1.instance);
     let held =
         conn.call(|c| async move { c.alloc(deadline(T), 0, vec![item(1, 10)], 0).await }).await.unwrap().unwrap();
     assert_eq!(held.instance, a1.instance);
@@ -323,6 +325,13 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     assert_eq!(mmserve_shm::list_with_prefix(&format!("{second}.")).len(), 3);
     let a2 = conn.call(|c| async move { c.arena(deadline(T)).await }).await.expect("the client reconnects");
     assert_ne!(a1.instance, a2.instance);
+    // Requests naming the new instance map its arenas once, however many ask at once;
+    // one naming the dead instance outlived its cache.
+    let views = futures::future::join_all((0..8).map(|_| map.view(a2.instance, &conn, T))).await;
+    let new = views.iter().filter(|v| matches!(v, Ok(mmserve_arena::Mapped::New(_)))).count();
+    assert_eq!(new, 1, "mapped once");
+    assert!(views.iter().all(|v| v.as_ref().is_ok_and(|v| v.view().info.instance == a2.instance)));
+    assert!(matches!(map.view(a1.instance, &conn, T).await, Err(mmserve_arena::ArenaError::Restarted)));
     let stats = conn.call(|c| async move { c.stats(deadline(T)).await }).await.unwrap();
     assert_eq!((stats.items, stats.references), (0, 0), "a new instance starts empty");
     let mut lease = conn.lease();
@@ -414,7 +423,7 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
 }
 
 /// The embedding rows of `view` as the encoder and the engine see them (on the CPU).
-fn embedding_rows(view: &mmserve_embed_cache::ArenaView) -> mmserve_models::ArenaRows {
+fn embedding_rows(view: &mmserve_arena::ArenaView) -> mmserve_models::ArenaRows {
     let r = view.embed_rows();
     let dtype = mmserve_models::parse_dtype(r.dtype.name()).unwrap();
     // SAFETY: the caller drops the rows before the view.

@@ -21,8 +21,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use mmserve_arena::ArenaMap;
 use mmserve_config::{ModelConfig, ModelDir};
-use mmserve_embed_cache::ArenaView;
 use mmserve_media::audio::{AudioLimits, WhisperFeatureExtractor};
 use mmserve_media::{ImageLimits, ImageProcessor};
 use mmserve_protocol::reconnect::CacheConnection;
@@ -257,11 +257,8 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
     let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
         .await
         .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
-    let arena = cache
-        .call(|c| async move { c.arena(deadline(CONNECT_TIMEOUT)).await })
+    let arena = ArenaMap::connect(&cache, CONNECT_TIMEOUT)
         .await
-        .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
-    let arena = ArenaView::open(&arena)
         .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
     let encoder = EncoderClient::new(Default::default(), connect("encoder", &args.encoder_socket).await?).spawn();
     let engine = EngineClient::new(Default::default(), connect("engine", &args.engine_socket).await?).spawn();

@@ -3,12 +3,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use mmserve_embed_cache::ArenaView;
+use mmserve_arena::{ArenaError, ArenaMap, ArenaView};
 use mmserve_protocol::reconnect::CacheConnection;
-use mmserve_protocol::{ArenaInfo, EncoderClient, EngineClient, RpcFailure, deadline};
+use mmserve_protocol::{EncoderClient, EngineClient};
 use mmserve_text::{ChatTemplate, TextTokenizer};
 
 use crate::dispatch::Dispatcher;
+use crate::error::ApiError;
 use crate::load::LoadGate;
 use crate::media::MediaLimits;
 use crate::prompt::LiteralMarks;
@@ -25,7 +26,7 @@ pub struct AppState {
     pub max_model_len: u64,
     pub cache: CacheConnection,
     /// The cache's arenas as last mapped (items' bytes are written through it).
-    arena: std::sync::Mutex<Arc<ArenaView>>,
+    arena: ArenaMap,
     pub encoder: EncoderClient,
     pub engine: EngineClient,
     pub dispatcher: Arc<Dispatcher>,
@@ -78,7 +79,7 @@ impl AppState {
         limits: MediaLimits,
         max_model_len: u64,
         clients: (CacheConnection, EncoderClient, EngineClient),
-        arena: ArenaView,
+        arena: ArenaMap,
         load: Arc<LoadGate>,
         timeouts: Timeouts,
     ) -> Self {
@@ -92,7 +93,7 @@ impl AppState {
             limits,
             max_model_len,
             cache: clients.0,
-            arena: std::sync::Mutex::new(Arc::new(arena)),
+            arena,
             encoder: clients.1,
             engine: clients.2,
             dispatcher: Arc::new(Dispatcher::default()),
@@ -106,20 +107,13 @@ impl AppState {
     }
 
     /// The arenas of cache instance `instance`, mapped anew if the cache restarted.
-    pub async fn arena_for(&self, instance: u64) -> Result<Arc<ArenaView>, RpcFailure> {
-        let current = self.arena.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if current.info.instance == instance {
-            return Ok(current);
-        }
-        let t = self.timeouts.rpc;
-        let info: ArenaInfo = self.cache.call(|c| async move { c.arena(deadline(t)).await }).await?;
-        let fail = |reason: String| RpcFailure { service: "embed cache", reason };
-        if info.instance != instance {
-            return Err(fail("the cache restarted during the request".into()));
-        }
-        let view = Arc::new(ArenaView::open(&info).map_err(|e| fail(e.to_string()))?);
-        *self.arena.lock().unwrap_or_else(|p| p.into_inner()) = view.clone();
-        Ok(view)
+    pub async fn arena_for(&self, instance: u64) -> Result<Arc<ArenaView>, ApiError> {
+        let mapped = self.arena.view(instance, &self.cache, self.timeouts.rpc).await.map_err(|e| match e {
+            ArenaError::Unavailable(e) => ApiError::from(e),
+            ArenaError::Restarted => ApiError::Unavailable(e.to_string()),
+            ArenaError::Shm(_) => ApiError::Internal(e.to_string()),
+        })?;
+        Ok(mapped.view().clone())
     }
 
     /// Unique at the engine: this process's id in the high bits.

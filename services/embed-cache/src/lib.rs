@@ -6,19 +6,16 @@
 
 pub mod admin;
 mod service;
-pub mod size;
 pub mod slots;
 pub mod state;
-mod view;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use mmserve_protocol::ArenaDtype;
 
+use mmserve_arena::ByteSize;
 pub use service::CacheService;
-pub use size::ByteSize;
-pub use view::{ArenaView, EmbedRows};
 
 /// Flags of `mmserve embed-cache` (and the cache flags of `mmserve serve`).
 #[derive(Debug, Clone, clap::Args)]

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Device;
+use mmserve_arena::{ArenaMap, ArenaView, Mapped};
 use mmserve_config::ModelDir;
-use mmserve_embed_cache::ArenaView;
 use mmserve_models::ArenaRows;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, deadline};
@@ -26,7 +26,8 @@ pub(crate) struct Worker {
     /// The embedding rows as the tower's device writes them (pinned and mapped on a
     /// GPU); declared before `arena` so it ends its registration before the unmap.
     rows: ArenaRows,
-    arena: ArenaView,
+    arena: Arc<ArenaView>,
+    map: ArenaMap,
     cache: Arc<CacheConnection>,
     shared: Arc<Shared>,
     max_batch: usize,
@@ -59,16 +60,16 @@ impl Worker {
     ) -> Result<Self, EncoderServiceError> {
         let dir = ModelDir::open(&args.model)?;
         let tower = Tower::load(&dir, &args.placement.resolve(&dir)?)?;
-        let info = cache
-            .call(|c| async move { c.arena(deadline(crate::CONNECT_TIMEOUT)).await })
+        let map = ArenaMap::connect(&cache, crate::CONNECT_TIMEOUT)
             .await
             .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
-        let arena = ArenaView::open(&info)?;
+        let arena = map.current();
         let rows = map_rows(&arena, tower.device()).map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
         Ok(Worker {
             tower,
             rows,
             arena,
+            map,
             cache,
             shared,
             max_batch: args.max_batch.max(1),
@@ -95,14 +96,11 @@ impl Worker {
         if self.arena.info.instance == instance {
             return Ok(());
         }
-        let t = self.timeout;
-        let info = rt.block_on(self.cache.call(|c| async move { c.arena(deadline(t)).await })).map_err(internal)?;
-        if info.instance != instance {
-            return Err(internal("the embed cache restarted while the request was in flight; retry it"));
+        let view = rt.block_on(self.map.view(instance, &self.cache, self.timeout)).map_err(internal)?;
+        if let Mapped::New(arena) = view {
+            self.rows = map_rows(&arena, self.tower.device()).map_err(internal)?;
+            self.arena = arena;
         }
-        let arena = ArenaView::open(&info).map_err(internal)?;
-        self.rows = map_rows(&arena, self.tower.device()).map_err(internal)?;
-        self.arena = arena;
         Ok(())
     }
 

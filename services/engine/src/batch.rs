@@ -28,7 +28,7 @@ use mmserve_models::{Llama, ModelError, PagedKv, PagedSeq, SampleSettings, argma
 use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
-use mmserve_embed_cache::ArenaView;
+use mmserve_arena::ArenaView;
 
 use crate::admission::{Admission, Need, OutputLengths};
 use crate::inputs::{ModelArena, prompt_sources};
@@ -42,7 +42,7 @@ pub enum Command {
     Submit(Vec<GenerateRequest>),
     Abort(u64),
     /// The embed cache restarted: read rows from its new arenas from now on.
-    Remap(Box<ArenaView>),
+    Remap(Arc<ArenaView>),
 }
 
 struct Sequence {
@@ -252,7 +252,7 @@ impl Batcher {
                 }
             }
             Command::Remap(view) => {
-                match ModelArena::new(*view, self.model.device()) {
+                match ModelArena::new(view, self.model.device()) {
                     Ok(arena) => self.arena = arena,
                     // Requests for the new arenas then finish with a retry (instance differs).
                     Err(e) => tracing::error!(error = %e, "mapping the embed cache's new arenas"),

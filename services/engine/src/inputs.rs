@@ -3,8 +3,10 @@
 //! gather builds the whole step's input (`kernels/merge.cu` on the GPU, reading the
 //! arena in place).
 
+use std::sync::Arc;
+
 use candle_core::Device;
-use mmserve_embed_cache::ArenaView;
+use mmserve_arena::ArenaView;
 use mmserve_models::{ArenaRows, parse_dtype, slot_source, text_source};
 use mmserve_protocol::{EngineError, GenerateRequest, ItemSpan};
 
@@ -66,11 +68,11 @@ pub fn prompt_sources(ids: &[u64], vocab: usize, items: &[ItemSpan], out: &mut V
 /// it drops (ending the device's registration) before `view` unmaps the memory.
 pub struct ModelArena {
     pub rows: ArenaRows,
-    pub view: ArenaView,
+    pub view: Arc<ArenaView>,
 }
 
 impl ModelArena {
-    pub fn new(view: ArenaView, device: &Device) -> Result<Self, String> {
+    pub fn new(view: Arc<ArenaView>, device: &Device) -> Result<Self, String> {
         let r = view.embed_rows();
         let dtype = parse_dtype(r.dtype.name()).map_err(|e| e.to_string())?;
         // SAFETY: the region is `view`'s mapping, which outlives `rows` (field order).

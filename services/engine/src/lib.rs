@@ -46,7 +46,7 @@ pub struct EngineArgs {
 pub struct KvArgs {
     /// Bytes of the paged KV pool (K and V of every layer), e.g. `256MiB`.
     #[arg(long, env = "MMSERVE_KV_CACHE_MEMORY", default_value = "256MiB")]
-    pub kv_cache_memory: mmserve_embed_cache::ByteSize,
+    pub kv_cache_memory: mmserve_arena::ByteSize,
     /// Tokens per KV block.
     #[arg(long, env = "MMSERVE_BLOCK_SIZE", default_value_t = kv::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,

@@ -5,11 +5,11 @@ use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mmserve_arena::{ArenaMap, ArenaView, Mapped};
 use mmserve_config::ModelDir;
-use mmserve_embed_cache::ArenaView;
 use mmserve_models::{Llama, PagedKv};
 use mmserve_protocol::reconnect::CacheConnection;
-use mmserve_protocol::{ArenaInfo, Engine, EngineError, EngineInfo, GenerateRequest, OutputEvent, deadline};
+use mmserve_protocol::{ArenaInfo, Engine, EngineError, EngineInfo, GenerateRequest, OutputEvent};
 use mmserve_text::TextTokenizer;
 use tarpc::context::Context;
 
@@ -77,7 +77,7 @@ pub struct EngineService {
     pool_tokens: usize,
     block_size: usize,
     /// The arenas the model thread reads (or will read once its `Remap` arrives).
-    arena: Arc<Mutex<ArenaInfo>>,
+    arena: Arc<ArenaMap>,
     cache: Arc<CacheConnection>,
 }
 
@@ -88,7 +88,7 @@ impl EngineService {
         let model = Llama::load(&dir, &placement)?;
         tracing::info!(device = ?placement.device, dtype = ?placement.dtype, format = %placement.format, "language model loaded");
         let tokenizer = TextTokenizer::from_dir(&dir)?;
-        let view = ArenaView::open(&info)?;
+        let view = Arc::new(ArenaView::open(&info)?);
         let vocab = model.config().vocab_size;
         let max_len = model.config().max_position_embeddings;
         let cfg = model.config();
@@ -116,7 +116,8 @@ impl EngineService {
         let batcher = Batcher {
             model,
             tokenizer,
-            arena: crate::inputs::ModelArena::new(view, &placement.device).map_err(EngineServiceError::Cache)?,
+            arena: crate::inputs::ModelArena::new(view.clone(), &placement.device)
+                .map_err(EngineServiceError::Cache)?,
             outbox: outbox.clone(),
             sched: Scheduler {
                 kv: paged,
@@ -140,7 +141,7 @@ impl EngineService {
             max_len,
             pool_tokens,
             block_size: args.kv.block_size,
-            arena: Arc::new(Mutex::new(info)),
+            arena: Arc::new(ArenaMap::shared(view)),
             cache: Arc::new(cache),
         })
     }
@@ -155,26 +156,18 @@ impl EngineService {
         }
     }
 
-    /// The arenas of `instance`, mapping them first if the cache restarted since.
+    /// The arenas of `instance`, mapping them first if the cache restarted since (the
+    /// model thread registers them with its device before the next step).
     async fn arena_for(&self, instance: u64) -> Result<ArenaInfo, EngineError> {
-        let current = self.arena.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if current.instance == instance {
-            return Ok(current);
-        }
-        let info = self
-            .cache
-            .call(|c| async move { c.arena(deadline(Duration::from_secs(5))).await })
+        let mapped = self
+            .arena
+            .view(instance, &self.cache, Duration::from_secs(5))
             .await
             .map_err(|e| EngineError::Invalid(e.to_string()))?;
-        if info.instance != instance {
-            return Err(EngineError::Invalid(
-                "the embed cache restarted while the request was in flight; retry it".into(),
-            ));
+        if let Mapped::New(view) = &mapped {
+            self.send(Command::Remap(view.clone()))?;
         }
-        let view = ArenaView::open(&info).map_err(|e| EngineError::Invalid(e.to_string()))?;
-        self.send(Command::Remap(Box::new(view)))?;
-        *self.arena.lock().unwrap_or_else(|p| p.into_inner()) = info.clone();
-        Ok(info)
+        Ok(mapped.view().info.clone())
     }
 
     /// Closes the command channel; the model thread ends after its current step.

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device};
+use mmserve_arena::ArenaView;
 use mmserve_config::ModelDir;
-use mmserve_embed_cache::ArenaView;
 use mmserve_models::{Llama, PagedKv, Placement};
 use mmserve_protocol::{ArenaDtype, ArenaInfo, FinishReason, GenerateRequest, OutputEvent, SamplingParams};
 use mmserve_shm::Segment;
@@ -71,7 +71,7 @@ impl Harness {
         let b = Batcher {
             model,
             tokenizer,
-            arena: crate::inputs::ModelArena::new(arena, &Device::Cpu).expect("arena"),
+            arena: crate::inputs::ModelArena::new(std::sync::Arc::new(arena), &Device::Cpu).expect("arena"),
             outbox: Arc::new(Outbox::default()),
             sched: Scheduler {
                 kv,
