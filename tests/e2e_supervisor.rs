@@ -150,3 +150,96 @@ fn a_config_dtype_the_arena_cannot_hold_is_refused_before_any_child_starts() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("config.json") && err.contains("\"int8\""), "stderr: {err}");
 }
+
+/// Requests in flight with distinct images (the encoder busy) and long answers (the
+/// engine busy) when one child is SIGKILLed: every client gets an answer, a completion or
+/// a 503, within its timeout; `serve` names the child, exits non-zero and leaves no
+/// shared memory.
+async fn kill_under_load(victim: &str) {
+    let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(llava_dir())
+        .env("MMSERVE_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = serve.id().unwrap();
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(serve.stdout.take().unwrap()));
+    let url = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(rest) = line.strip_prefix("mmserve: serving") {
+                return rest.split(" at ").nth(1).unwrap().trim().to_string();
+            }
+        }
+        panic!("serve exited before it was ready");
+    })
+    .await
+    .expect("serve did not start");
+    let png = common::fixture_png();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    // Clients arrive every 15 ms; the child dies at 150 ms: requests are caught while
+    // their media are checked, reserved, encoded, and while they generate.
+    let t0 = Instant::now();
+    let mut clients = Vec::new();
+    let mut killed = None;
+    for i in 0..24u8 {
+        if killed.is_none() && t0.elapsed() >= Duration::from_millis(150) {
+            let child = *children(pid).iter().find(|&&k| cmdline(k).contains(&format!(" {victim} "))).expect("child");
+            // SAFETY: killing a process of this test's own tree.
+            unsafe { libc::kill(child as i32, libc::SIGKILL) };
+            killed = Some(t0.elapsed());
+        }
+        let mut img = image::load_from_memory(&png).unwrap().to_rgb8();
+        img.get_pixel_mut(1, 1).0 = [i, 99, 7];
+        let mut bytes = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut bytes), image::ImageFormat::Png).unwrap();
+        let mut req = common::image_request(&common::data_url(&bytes), false);
+        req["max_tokens"] = serde_json::json!(200);
+        let (http, url) = (http.clone(), url.clone());
+        let sent = t0.elapsed();
+        clients.push((
+            sent,
+            tokio::spawn(async move {
+                let r = http.post(format!("{url}/v1/chat/completions")).json(&req).send().await;
+                r.map(|r| r.status().as_u16())
+            }),
+        ));
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let killed = killed.expect("the child was killed");
+    let mut seen = std::collections::BTreeMap::new();
+    for (sent, c) in clients {
+        let status = tokio::time::timeout(Duration::from_secs(60), c).await.expect("a client hung").unwrap();
+        let key = status.as_ref().map_or_else(|e| format!("{e}").chars().take(40).collect(), |s| s.to_string());
+        *seen.entry(key).or_insert(0) += 1;
+        // Sent well before the kill: in flight, it gets an answer.
+        if sent + Duration::from_millis(20) < killed {
+            assert!(matches!(status, Ok(200 | 503)), "{victim} killed: a client in flight got {status:?}");
+        }
+    }
+    eprintln!("{victim} killed at {killed:?}: {seen:?}");
+    let status = tokio::time::timeout(Duration::from_secs(30), serve.wait()).await.expect("serve stopped").unwrap();
+    assert!(!status.success(), "serve must exit non-zero when the {victim} dies");
+    let mut err = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut serve.stderr.take().unwrap(), &mut err).await.unwrap();
+    assert!(err.contains(&format!("the {victim} process exited unexpectedly")), "stderr: {err}");
+    let left = mmserve_shm::list_with_prefix(&format!("mmserve-{pid}-"));
+    assert!(left.is_empty(), "shared memory left: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_encoder_under_load_answers_every_client() {
+    kill_under_load("encoder").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_under_load_answers_every_client() {
+    kill_under_load("engine").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_embed_cache_under_load_answers_every_client() {
+    kill_under_load("embed-cache").await;
+}

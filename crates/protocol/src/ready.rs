@@ -24,6 +24,20 @@ pub fn parse(line: &str) -> Option<(&str, &str)> {
     Some(rest.split_once(' ').unwrap_or((rest, "")))
 }
 
+/// Starts the thread a service cannot live without (the engine's model thread, the
+/// encoder's worker). If it panics, the process exits at once with a clear log line:
+/// a process whose worker is dead would answer `/health` and fail every request, and the
+/// supervisor notices a dead child at once.
+pub fn spawn_vital(name: &str, f: impl FnOnce() + Send + 'static) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let owned = name.to_string();
+    std::thread::Builder::new().name(owned.clone()).spawn(move || {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+            tracing::error!("the {owned} thread panicked; the process exits so that it is noticed and replaced");
+            std::process::exit(70);
+        }
+    })
+}
+
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};

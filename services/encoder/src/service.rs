@@ -60,9 +60,7 @@ impl EncoderService {
         // piling up without limit.
         let (queue, rx) = mpsc::channel(args.max_batch.max(1) * 8);
         let handle = tokio::runtime::Handle::current();
-        std::thread::Builder::new()
-            .name("encoder-worker".into())
-            .spawn(move || worker.run(rx, handle))
+        mmserve_protocol::ready::spawn_vital("encoder-worker", move || worker.run(rx, handle))
             .expect("spawning the encoder worker thread");
         Ok(EncoderService { shared, queue, cache, timeout })
     }

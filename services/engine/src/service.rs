@@ -129,9 +129,7 @@ impl EngineService {
             },
             counts: counts.clone(),
         };
-        std::thread::Builder::new()
-            .name("engine-model".into())
-            .spawn(move || batcher.run(rx))
+        mmserve_protocol::ready::spawn_vital("engine-model", move || batcher.run(rx))
             .expect("spawning the model thread");
         Ok(EngineService {
             commands: Arc::new(Mutex::new(Some(tx))),
