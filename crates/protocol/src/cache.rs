@@ -313,8 +313,26 @@ pub trait EmbedCache {
     /// Takes a reference (for this connection) to each item still present; `false` for
     /// the others. The encoder pins what it encodes, so no slot is reused under it.
     async fn pin(ids: Vec<u64>) -> Vec<bool>;
+    /// What the encoder asks of a batch in one round trip: each item's state, pinned (a
+    /// reference of this connection) if it still needs its embedding.
+    async fn pin_unready(ids: Vec<u64>) -> Vec<PinState>;
+    /// The encoder is done with a batch: `ready` have their embeddings, and one
+    /// reference of this connection to each of `unpin` is released (ids that are gone
+    /// are skipped).
+    async fn encoded(ready: Vec<u64>, unpin: Vec<u64>) -> Result<(), CacheError>;
     async fn arena() -> ArenaInfo;
     async fn stats() -> CacheStats;
+}
+
+/// An item's state for the encoder ([`EmbedCache::pin_unready`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PinState {
+    /// Gone or abandoned: nothing to encode, and nothing pinned.
+    Gone,
+    /// Its embedding is in the arena already: nothing pinned.
+    Ready,
+    /// Pinned: encode it, then release the pin.
+    Pinned,
 }
 
 /// Item details for operators.

@@ -13,7 +13,7 @@ pub mod transport;
 
 pub use cache::{
     AdminError, AllocItem, ArenaDtype, ArenaInfo, CacheAdmin, CacheAdminClient, CacheError, CacheStats, EmbedCache,
-    EmbedCacheClient, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality,
+    EmbedCacheClient, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality, PinState,
 };
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};
 pub use engine::{

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use mmserve_protocol::cache::{Allocation, CacheOp, CacheOpResult};
-use mmserve_protocol::{AllocItem, ArenaInfo, CacheError, CacheStats, EmbedCache, ItemRecord};
+use mmserve_protocol::{AllocItem, ArenaInfo, CacheError, CacheStats, EmbedCache, ItemRecord, PinState};
 use mmserve_shm::{InstanceLock, Segment};
 use tarpc::context::Context;
 use tarpc::server::{BaseChannel, Channel};
@@ -520,6 +520,19 @@ impl EmbedCache for CacheService {
                 return Err(CacheError::Timeout(timeout_ms));
             }
         }
+    }
+
+    async fn pin_unready(self, _: Context, ids: Vec<u64>) -> Vec<PinState> {
+        let owner = self.owner;
+        self.with_state(|s| s.pin_unready(owner, &ids))
+    }
+
+    async fn encoded(self, _: Context, ready: Vec<u64>, unpin: Vec<u64>) -> Result<(), CacheError> {
+        let owner = self.owner;
+        // Marked even if a release fails: the rows are written.
+        let marked = self.with_state(|s| s.set_embed_ready(&ready).and(s.release(owner, &unpin)));
+        self.shared.data_ready.notify_waiters();
+        marked
     }
 
     async fn set_items_embed(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use mmserve_protocol::{
-    AdminError, AllocItem, CacheError, CacheStats, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality,
+    AdminError, AllocItem, CacheError, CacheStats, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality, PinState,
     VIRTUAL_TOKEN_BASE,
 };
 
@@ -525,10 +525,6 @@ impl CacheState {
         Some(r)
     }
 
-    fn get_mut(&mut self, id: u64) -> Result<&mut Record, CacheError> {
-        self.records.get_mut(&id).ok_or(CacheError::UnknownItem(id))
-    }
-
     pub fn set_data_ready(&mut self, ids: &[u64]) -> Result<(), CacheError> {
         for &id in ids {
             match self.records.get(&id) {
@@ -547,9 +543,14 @@ impl CacheState {
         Ok(())
     }
 
+    /// Marks items' embeddings written; ids of items that are gone (evicted after an
+    /// operator's drop, say) are skipped: nobody can read their rows any more.
     pub fn set_embed_ready(&mut self, ids: &[u64]) -> Result<(), CacheError> {
-        ids.iter().try_for_each(|&id| self.get_mut(id).map(|_| ()))?;
-        ids.iter().for_each(|id| self.records.get_mut(id).expect("checked").embed_ready = true);
+        for id in ids {
+            if let Some(r) = self.records.get_mut(id) {
+                r.embed_ready = true;
+            }
+        }
         Ok(())
     }
 
@@ -575,6 +576,24 @@ impl CacheState {
                     true
                 }
                 _ => false,
+            })
+            .collect()
+    }
+
+    /// Each item's state for the encoder, pinning for `owner` those that still need
+    /// their embedding.
+    pub fn pin_unready(&mut self, owner: impl Into<Holder>, ids: &[u64]) -> Vec<PinState> {
+        let owner = owner.into();
+        ids.iter()
+            .map(|&id| match self.records.get(&id) {
+                Some(r) if r.abandoned => PinState::Gone,
+                Some(r) if r.embed_ready => PinState::Ready,
+                Some(_) => {
+                    self.touch(id);
+                    *self.held.entry(owner).or_default().entry(id).or_default() += 1;
+                    PinState::Pinned
+                }
+                None => PinState::Gone,
             })
             .collect()
     }

@@ -1,11 +1,14 @@
 //! The encoder service (its own process).
 //!
-//! `encode` calls from any number of requests feed one queue; a worker thread takes
-//! everything queued (up to `--max-batch` items), so items of concurrent requests share
-//! one tower forward. Rows go straight into the arena slots the cache assigned; then the
+//! `encode` calls from any number of requests feed one queue. A preparing stage
+//! ([`prep`]) pins the items still to encode and preprocesses them on all cores as they
+//! come; the tower thread ([`worker`]) takes everything prepared (up to `--max-batch`
+//! items), so items of concurrent requests share one tower forward, while the next ones
+//! are preprocessed. Rows go straight into the arena slots the cache assigned; then the
 //! items are marked ready. Items already ready, or in flight for another request, are
 //! never encoded twice.
 
+mod prep;
 mod service;
 mod tower;
 mod worker;
@@ -32,6 +35,10 @@ pub struct EncoderArgs {
     /// Most items in one tower forward.
     #[arg(long, env = "MMSERVE_ENCODER_MAX_BATCH", default_value_t = 32)]
     pub max_batch: usize,
+    /// Items preprocessed at once, each on its own thread (0: every core when the tower
+    /// runs on a GPU, half of them when it shares the CPU with the tower and the engine).
+    #[arg(long, env = "MMSERVE_ENCODER_PREP_THREADS", default_value_t = 0)]
+    pub prep_threads: usize,
     /// How long an item may wait for its raw data or its encoding, in milliseconds.
     #[arg(long, env = "MMSERVE_ENCODER_TIMEOUT_MS", default_value_t = 120_000)]
     pub timeout_ms: u64,

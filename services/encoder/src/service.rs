@@ -5,12 +5,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use mmserve_arena::ArenaMap;
+use mmserve_config::ModelDir;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, Encoder, EncoderError, EncoderStats, deadline};
 use tarpc::context::Context;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::worker::{Job, Worker};
+use crate::prep::{Job, Prep};
+use crate::tower::Tower;
+use crate::worker::{Worker, map_rows};
 use crate::{EncoderArgs, EncoderServiceError};
 
 /// Why an item could not be encoded.
@@ -55,12 +59,50 @@ impl EncoderService {
         let shared =
             Arc::new(Shared { inflight: Mutex::new(HashMap::new()), stats: Mutex::new(EncoderStats::default()) });
         let timeout = Duration::from_millis(args.timeout_ms);
-        let worker = Worker::load(args, cache.clone(), shared.clone()).await?;
+        let dir = ModelDir::open(&args.model)?;
+        let (tower, preparer) = Tower::load(&dir, &args.placement.resolve(&dir)?)?;
+        let map = Arc::new(
+            ArenaMap::connect(&cache, crate::CONNECT_TIMEOUT)
+                .await
+                .map_err(|e| EncoderServiceError::Cache(e.to_string()))?,
+        );
+        let arena = map.current();
+        let rows = map_rows(&arena, tower.device()).map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
+        let max_batch = args.max_batch.max(1);
+        let preparing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let worker = Worker {
+            tower,
+            rows,
+            arena,
+            cache: cache.clone(),
+            shared: shared.clone(),
+            max_batch,
+            timeout,
+            preparing: preparing.clone(),
+        };
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = match args.prep_threads {
+            0 if worker.tower.device().is_cpu() => (cores / 2).max(1),
+            0 => cores,
+            n => n,
+        };
+        let prep = Prep {
+            preparer: Arc::new(preparer),
+            map,
+            cache: cache.clone(),
+            shared: shared.clone(),
+            threads: Arc::new(Semaphore::new(threads)),
+            max_batch,
+            timeout,
+            preparing,
+        };
         // Bounded: when the tower falls behind, `encode` calls wait here rather than
-        // piling up without limit.
-        let (queue, rx) = mpsc::channel(args.max_batch.max(1) * 8);
+        // piling up without limit, and preprocessing runs at most two batches ahead.
+        let (queue, rx) = mpsc::channel(max_batch * 8);
+        let (prepared_tx, prepared_rx) = mpsc::channel(max_batch * 2);
+        tokio::spawn(prep.run(rx, prepared_tx));
         let handle = tokio::runtime::Handle::current();
-        mmserve_protocol::ready::spawn_vital("encoder-worker", move || worker.run(rx, handle))
+        mmserve_protocol::ready::spawn_vital("encoder-worker", move || worker.run(prepared_rx, handle))
             .expect("spawning the encoder worker thread");
         Ok(EncoderService { shared, queue, cache, timeout })
     }

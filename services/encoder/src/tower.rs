@@ -11,11 +11,19 @@ use mmserve_models::{LlavaVision, Placement, Qwen2AudioEncoder};
 use crate::EncoderServiceError;
 
 pub(crate) enum Tower {
-    /// LLaVA: the image file → CLIP pixels → vision tower and projector.
-    Vision { model: LlavaVision, processor: ClipImageProcessor, limits: ImageLimits, device: Device },
-    /// Qwen2-Audio: 16 kHz mono samples (decoded by the api) → log-mel features →
-    /// audio tower, pooling and projector.
+    /// LLaVA: CLIP pixels → vision tower and projector.
+    Vision { model: LlavaVision, device: Device },
+    /// Qwen2-Audio: log-mel features → audio tower, pooling and projector.
     Audio { model: Qwen2AudioEncoder, features: WhisperFeatureExtractor, device: Device },
+}
+
+/// What turns an item's bytes into its tower input, on the CPU: shared by the threads
+/// that preprocess items while the tower runs.
+pub(crate) enum Preparer {
+    /// LLaVA: the image file → CLIP pixels.
+    Vision { processor: ClipImageProcessor, limits: ImageLimits },
+    /// Qwen2-Audio: 16 kHz mono samples (decoded by the api) → log-mel features.
+    Audio { features: WhisperFeatureExtractor },
 }
 
 /// One item's tower input.
@@ -26,7 +34,8 @@ pub(crate) struct Input {
 }
 
 impl Tower {
-    pub(crate) fn load(dir: &ModelDir, placement: &Placement) -> Result<Self, EncoderServiceError> {
+    /// The tower and its preprocessing.
+    pub(crate) fn load(dir: &ModelDir, placement: &Placement) -> Result<(Self, Preparer), EncoderServiceError> {
         let pp = dir.optional_json("preprocessor_config.json")?.ok_or(EncoderServiceError::NoPreprocessor)?;
         match &dir.config {
             ModelConfig::Llava(_) => {
@@ -36,7 +45,8 @@ impl Tower {
                 if h != model.image_size() || w != model.image_size() {
                     return Err(EncoderServiceError::SizeMismatch { got: h.max(w), want: model.image_size() });
                 }
-                Ok(Tower::Vision { model, processor, limits: ImageLimits::default(), device: placement.device.clone() })
+                let tower = Tower::Vision { model, device: placement.device.clone() };
+                Ok((tower, Preparer::Vision { processor, limits: ImageLimits::default() }))
             }
             ModelConfig::Qwen2Audio(cfg) => {
                 let features = WhisperFeatureExtractor::from_json(&pp)?;
@@ -48,27 +58,8 @@ impl Tower {
                     )));
                 }
                 let model = Qwen2AudioEncoder::load(dir, placement)?;
-                Ok(Tower::Audio { model, features, device: placement.device.clone() })
-            }
-        }
-    }
-
-    /// The tower input of an item whose data is `bytes`; an error says why the item is bad.
-    pub(crate) fn prepare(&self, bytes: &[u8]) -> Result<Input, String> {
-        match self {
-            Tower::Vision { processor, limits, .. } => {
-                let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
-                let values = processor.preprocess(&img).map_err(|e| e.to_string())?;
-                Ok(Input { values, valid_frames: 0 })
-            }
-            Tower::Audio { features, .. } => {
-                if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
-                    return Err(format!("{} bytes are not 32-bit samples", bytes.len()));
-                }
-                let samples: Vec<f32> =
-                    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-                let f = features.extract(&samples);
-                Ok(Input { values: f.input_features, valid_frames: f.valid_frames })
+                let tower = Tower::Audio { model, features: features.clone(), device: placement.device.clone() };
+                Ok((tower, Preparer::Audio { features }))
             }
         }
     }
@@ -86,7 +77,7 @@ impl Tower {
             return Ok(Vec::new());
         }
         let out = match self {
-            Tower::Vision { model, device, .. } => {
+            Tower::Vision { model, device } => {
                 let s = model.image_size();
                 let pixels: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
                 let input = Tensor::from_vec(pixels, (n, 3, s, s), device).map_err(|e| e.to_string())?;
@@ -102,5 +93,27 @@ impl Tower {
             }
         };
         out.map_err(|e| e.to_string())
+    }
+}
+
+impl Preparer {
+    /// The tower input of an item whose data is `bytes`; an error says why the item is bad.
+    pub(crate) fn prepare(&self, bytes: &[u8]) -> Result<Input, String> {
+        match self {
+            Preparer::Vision { processor, limits } => {
+                let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
+                let values = processor.preprocess(&img).map_err(|e| e.to_string())?;
+                Ok(Input { values, valid_frames: 0 })
+            }
+            Preparer::Audio { features } => {
+                if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
+                    return Err(format!("{} bytes are not 32-bit samples", bytes.len()));
+                }
+                let samples: Vec<f32> =
+                    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                let f = features.extract(&samples);
+                Ok(Input { values: f.input_features, valid_frames: f.valid_frames })
+            }
+        }
     }
 }

@@ -1,42 +1,40 @@
-//! The worker thread: drains the queue into batches, preprocesses, runs the tower,
-//! writes rows into the arena and marks items ready.
+//! The tower thread: takes whatever the preparing stage ([`crate::prep`]) has ready, up
+//! to `--max-batch` items, runs the tower, writes the rows into the arena and tells the
+//! cache in one round trip (rows ready, pins released).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use candle_core::Device;
-use mmserve_arena::{ArenaMap, ArenaView, Mapped};
-use mmserve_config::ModelDir;
+use mmserve_arena::ArenaView;
 use mmserve_models::ArenaRows;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, deadline};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
+use crate::prep::{Prepared, ToTower};
 use crate::service::{ItemFailure, Shared};
 use crate::tower::{Input, Tower};
-use crate::{EncoderArgs, EncoderServiceError};
-
-pub(crate) struct Job {
-    pub(crate) item: EncodeItem,
-}
 
 pub(crate) struct Worker {
-    tower: Tower,
+    pub(crate) tower: Tower,
     /// The embedding rows as the tower's device writes them (pinned and mapped on a
     /// GPU); declared before `arena` so it ends its registration before the unmap.
-    rows: ArenaRows,
-    arena: Arc<ArenaView>,
-    map: ArenaMap,
-    cache: Arc<CacheConnection>,
-    shared: Arc<Shared>,
-    max_batch: usize,
-    timeout: Duration,
+    pub(crate) rows: ArenaRows,
+    pub(crate) arena: Arc<ArenaView>,
+    pub(crate) cache: Arc<CacheConnection>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) max_batch: usize,
+    pub(crate) timeout: Duration,
+    /// See [`crate::prep::Prep::preparing`].
+    pub(crate) preparing: Arc<AtomicUsize>,
 }
 
 /// `arena`'s embedding rows registered with `device` (a GPU then copies into them
 /// directly); staged through host memory, with a warning, where that fails.
-fn map_rows(arena: &ArenaView, device: &Device) -> Result<ArenaRows, mmserve_models::ModelError> {
+pub(crate) fn map_rows(arena: &ArenaView, device: &Device) -> Result<ArenaRows, mmserve_models::ModelError> {
     let r = arena.embed_rows();
     let dtype = mmserve_models::parse_dtype(r.dtype.name())?;
     // SAFETY: the region is `arena`'s mapping; the worker keeps the view alive for as
@@ -53,146 +51,75 @@ fn internal(e: impl std::fmt::Display) -> ItemFailure {
 }
 
 impl Worker {
-    pub(crate) async fn load(
-        args: &EncoderArgs,
-        cache: Arc<CacheConnection>,
-        shared: Arc<Shared>,
-    ) -> Result<Self, EncoderServiceError> {
-        let dir = ModelDir::open(&args.model)?;
-        let tower = Tower::load(&dir, &args.placement.resolve(&dir)?)?;
-        let map = ArenaMap::connect(&cache, crate::CONNECT_TIMEOUT)
-            .await
-            .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
-        let arena = map.current();
-        let rows = map_rows(&arena, tower.device()).map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
-        Ok(Worker {
-            tower,
-            rows,
-            arena,
-            map,
-            cache,
-            shared,
-            max_batch: args.max_batch.max(1),
-            timeout: Duration::from_millis(args.timeout_ms),
-        })
-    }
-
-    /// Runs until every sender of the queue is gone.
-    pub(crate) fn run(mut self, mut rx: mpsc::Receiver<Job>, rt: Handle) {
-        while let Some(first) = rx.blocking_recv() {
-            let mut batch = vec![first.item];
-            while batch.len() < self.max_batch {
-                match rx.try_recv() {
-                    Ok(job) => batch.push(job.item),
-                    Err(_) => break,
+    /// Runs until the preparing stage is gone. A batch is what is prepared, plus what
+    /// is still being prepared (up to `--max-batch`): the items of a burst share one
+    /// forward, and the next burst is preprocessed while it runs.
+    pub(crate) fn run(mut self, mut prepared: mpsc::Receiver<ToTower>, rt: Handle) {
+        while let Some(first) = prepared.blocking_recv() {
+            let mut batch: Vec<Prepared> = first.into_iter().collect();
+            loop {
+                while batch.len() < self.max_batch
+                    && let Ok(p) = prepared.try_recv()
+                {
+                    batch.extend(p);
+                }
+                if batch.len() >= self.max_batch || self.preparing.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+                // Every item counted as preparing sends something: this wait ends.
+                match prepared.blocking_recv() {
+                    Some(p) => batch.extend(p),
+                    None => break,
                 }
             }
-            self.encode_batch(batch, &rt);
-        }
-    }
-
-    /// Maps the arenas of `instance` if they are not the ones mapped (the cache restarted).
-    fn ensure_instance(&mut self, instance: u64, rt: &Handle) -> Result<(), ItemFailure> {
-        if self.arena.info.instance == instance {
-            return Ok(());
-        }
-        let view = rt.block_on(self.map.view(instance, &self.cache, self.timeout)).map_err(internal)?;
-        if let Mapped::New(arena) = view {
-            self.rows = map_rows(&arena, self.tower.device()).map_err(internal)?;
-            self.arena = arena;
-        }
-        Ok(())
-    }
-
-    fn encode_batch(&mut self, batch: Vec<EncodeItem>, rt: &Handle) {
-        let mut current = Vec::with_capacity(batch.len());
-        for item in batch {
-            match self.ensure_instance(item.cache_instance, rt) {
-                Ok(()) => current.push(item),
-                Err(f) => self.shared.finish(item.id, Err(f)),
-            }
-        }
-        let batch = current;
-        if batch.is_empty() {
-            return;
-        }
-        // Pin the items (a reference of the encoder's own), so none can be evicted and
-        // its slots reused while its rows are being written.
-        let t = self.timeout;
-        let ids: Vec<u64> = batch.iter().map(|i| i.id).collect();
-        let pinned = match rt.block_on(self.cache.call(|c| async move { c.pin(deadline(t), ids).await })) {
-            Ok(p) => p,
-            Err(e) => return self.fail_all(&batch, ItemFailure::Gone(e.to_string())),
-        };
-        let mut kept = Vec::with_capacity(batch.len());
-        for (item, ok) in batch.into_iter().zip(pinned) {
-            if ok {
-                kept.push(item);
-            } else {
-                let gone = "the item left the embed cache before it was encoded; retry the request";
-                self.shared.finish(item.id, Err(ItemFailure::Gone(gone.into())));
-            }
-        }
-        if kept.is_empty() {
-            return;
-        }
-        let pinned_ids: Vec<u64> = kept.iter().map(|i| i.id).collect();
-        self.encode_pinned(kept, rt);
-        if let Err(e) = rt.block_on(self.cache.call(|c| async move { c.release(deadline(t), pinned_ids).await })) {
-            // A broken connection releases the pins by itself.
-            tracing::warn!("releasing the encoder's pins: {e}");
-        }
-    }
-
-    fn encode_pinned(&mut self, batch: Vec<EncodeItem>, rt: &Handle) {
-        let t = self.timeout;
-        let ids: Vec<u64> = batch.iter().map(|i| i.id).collect();
-        let ready = match rt.block_on(self.cache.call(|c| async move { c.get_items_embed(deadline(t), ids).await })) {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => return self.fail_all(&batch, internal(e)),
-            Err(e) => return self.fail_all(&batch, ItemFailure::Gone(e.to_string())),
-        };
-
-        // Preprocess what still needs encoding; bad items fail alone.
-        let mut todo = Vec::new();
-        let mut inputs = Vec::new();
-        for (item, ready) in batch.into_iter().zip(ready) {
-            if ready {
-                self.shared.finish(item.id, Ok(()));
+            if batch.is_empty() {
                 continue;
             }
-            match self.preprocess(&item) {
-                Ok(input) => {
-                    inputs.push(input);
-                    todo.push(item);
-                }
-                Err(f) => self.shared.finish(item.id, Err(f)),
+            // Normally one instance; after a cache restart, the old one's items first.
+            while !batch.is_empty() {
+                let instance = batch[0].view.info.instance;
+                let (now, later): (Vec<Prepared>, Vec<Prepared>) =
+                    batch.into_iter().partition(|p| p.view.info.instance == instance);
+                self.encode(now, &rt);
+                batch = later;
             }
-        }
-        if todo.is_empty() {
-            return;
-        }
-        if let Err(f) = self.run_tower(&todo, inputs) {
-            return self.fail_all(&todo, f);
-        }
-        let ids: Vec<u64> = todo.iter().map(|i| i.id).collect();
-        match rt.block_on(self.cache.call(|c| async move { c.set_items_embed(deadline(t), ids).await })) {
-            Ok(Ok(())) => {
-                let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
-                stats.items_encoded += todo.len() as u64;
-                stats.batches += 1;
-                stats.largest_batch = stats.largest_batch.max(todo.len() as u64);
-                drop(stats);
-                todo.iter().for_each(|i| self.shared.finish(i.id, Ok(())));
-            }
-            Ok(Err(e)) => self.fail_all(&todo, internal(e)),
-            Err(e) => self.fail_all(&todo, ItemFailure::Gone(e.to_string())),
         }
     }
 
-    fn preprocess(&self, item: &EncodeItem) -> Result<Input, ItemFailure> {
-        let bytes = self.arena.read_data(item.data_offset, item.data_len).map_err(internal)?;
-        self.tower.prepare(&bytes).map_err(ItemFailure::Bad)
+    /// One tower forward for items of one cache instance; every pin is released after.
+    fn encode(&mut self, batch: Vec<Prepared>, rt: &Handle) {
+        let items: Vec<EncodeItem> = batch.iter().map(|p| p.item.clone()).collect();
+        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
+        let view = batch[0].view.clone();
+        let inputs: Vec<Input> = batch.into_iter().map(|p| p.input).collect();
+        let result = self.remap(view).and_then(|()| self.run_tower(&items, inputs));
+        let ready = if result.is_ok() { ids.clone() } else { Vec::new() };
+        let t = self.timeout;
+        let told = rt.block_on(self.cache.call(|c| async move { c.encoded(deadline(t), ready, ids).await }));
+        match (result, told) {
+            (Ok(()), Ok(Ok(()))) => {
+                let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+                stats.items_encoded += items.len() as u64;
+                stats.batches += 1;
+                stats.largest_batch = stats.largest_batch.max(items.len() as u64);
+                drop(stats);
+                items.iter().for_each(|i| self.shared.finish(i.id, Ok(())));
+            }
+            (Err(f), _) => self.fail_all(&items, f),
+            (Ok(()), Ok(Err(e))) => self.fail_all(&items, internal(e)),
+            (Ok(()), Err(e)) => self.fail_all(&items, ItemFailure::Gone(e.to_string())),
+        }
+    }
+
+    /// Registers `view`'s rows with the device if they are not the ones registered (the
+    /// cache restarted).
+    fn remap(&mut self, view: Arc<ArenaView>) -> Result<(), ItemFailure> {
+        if Arc::ptr_eq(&view, &self.arena) || view.info.instance == self.arena.info.instance {
+            return Ok(());
+        }
+        self.rows = map_rows(&view, self.tower.device()).map_err(internal)?;
+        self.arena = view;
+        Ok(())
     }
 
     fn run_tower(&self, items: &[EncodeItem], inputs: Vec<Input>) -> Result<(), ItemFailure> {
