@@ -196,7 +196,7 @@ async fn kill_under_load(victim: &str) {
         let mut bytes = Vec::new();
         img.write_to(&mut std::io::Cursor::new(&mut bytes), image::ImageFormat::Png).unwrap();
         let mut req = common::image_request(&common::data_url(&bytes), false);
-        req["max_tokens"] = serde_json::json!(200);
+        req["max_tokens"] = serde_json::json!(48);
         let (http, url) = (http.clone(), url.clone());
         let sent = t0.elapsed();
         clients.push((
@@ -214,8 +214,9 @@ async fn kill_under_load(victim: &str) {
         let status = tokio::time::timeout(Duration::from_secs(60), c).await.expect("a client hung").unwrap();
         let key = status.as_ref().map_or_else(|e| format!("{e}").chars().take(40).collect(), |s| s.to_string());
         *seen.entry(key).or_insert(0) += 1;
-        // Sent well before the kill: in flight, it gets an answer.
-        if sent + Duration::from_millis(20) < killed {
+        // Sent well before the kill: in flight, it gets an answer. (One sent just before
+        // may not have been read when the api stops listening: it sees the connection close.)
+        if sent + Duration::from_millis(100) < killed {
             assert!(matches!(status, Ok(200 | 503)), "{victim} killed: a client in flight got {status:?}");
         }
     }
