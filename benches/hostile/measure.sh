@@ -3,7 +3,7 @@
 # (large texts, the disconnect storm, the overload burst, the admin flood, 1 Hz WAVs).
 # Run from the repo root after `cargo build --release`: bash benches/hostile/measure.sh
 set -u
-cd /work/main
+cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release/mmserve}
 start() { # model extra...
   local model=$1; shift
