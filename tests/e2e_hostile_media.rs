@@ -8,6 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use common::wav::wav16;
 use common::*;
 use serde_json::{Value, json};
 
@@ -18,22 +19,6 @@ fn b64(bytes: &[u8]) -> String {
 
 fn audio_dir() -> PathBuf {
     repo().join("assets/models/qwen2-audio-tiny")
-}
-
-/// A 16-bit mono WAV at `rate`; `data_len` overrides the data chunk's stated length.
-fn wav16(samples: &[i16], rate: u32, data_len: Option<u32>) -> Vec<u8> {
-    let data: Vec<u8> = samples.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let len = data_len.unwrap_or(data.len() as u32);
-    let mut b = b"RIFF".to_vec();
-    b.extend(len.saturating_add(36).to_le_bytes());
-    b.extend(b"WAVEfmt ");
-    for v in [16u32, 1 | 1 << 16, rate, rate.wrapping_mul(2), 2 | 16 << 16] {
-        b.extend(v.to_le_bytes());
-    }
-    b.extend(b"data");
-    b.extend(len.to_le_bytes());
-    b.extend(data);
-    b
 }
 
 /// `seconds` of a 440 Hz tone at `rate`.

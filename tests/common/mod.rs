@@ -4,6 +4,8 @@
 
 pub mod cache;
 pub mod http;
+#[path = "../../crates/media/tests/support/wav.rs"]
+pub mod wav;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;

@@ -1,6 +1,9 @@
 //! The audio front end against transformers 5.24's Qwen2-Audio processor (fixture `qwen2_audio`)
 //! and against files in other formats made from the same clip by `data/audio/make.py`.
 
+#[path = "support/wav.rs"]
+mod wav;
+
 use std::path::Path;
 use std::sync::LazyLock;
 
@@ -9,6 +12,7 @@ use mmserve_media::audio::{
     qwen2_audio_tokens,
 };
 use safetensors::{Dtype, SafeTensors};
+use wav::wav16;
 
 fn read(name: &str) -> Vec<u8> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/audio").join(name);
@@ -230,22 +234,6 @@ fn unsupported_codec_and_container_are_named() {
         decode_audio(&read("chirp.webm"), None, &lim),
         Err(AudioError::UnsupportedContainer("Matroska/WebM".into()))
     );
-}
-
-/// A 16-bit WAV; `data_len` overrides the data chunk's stated length.
-fn wav16(samples: &[i16], rate: u32, data_len: Option<u32>) -> Vec<u8> {
-    let data: Vec<u8> = samples.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let len = data_len.unwrap_or(data.len() as u32);
-    let mut b = b"RIFF".to_vec();
-    b.extend(len.saturating_add(36).to_le_bytes());
-    b.extend(b"WAVEfmt ");
-    for v in [16u32, 1 | 1 << 16, rate, rate * 2, 2 | 16 << 16] {
-        b.extend(v.to_le_bytes());
-    }
-    b.extend(b"data");
-    b.extend(len.to_le_bytes());
-    b.extend(data);
-    b
 }
 
 fn chirp16() -> Vec<i16> {

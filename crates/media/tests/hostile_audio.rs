@@ -2,11 +2,15 @@
 //! holds, clips longer than the model hears. Each is refused or bounded before the expensive
 //! step (allocation, resampling), which a counting allocator checks.
 
+#[path = "support/wav.rs"]
+mod wav;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::time::Instant;
 
 use mmserve_media::audio::{AudioError, AudioLimits, TARGET_SAMPLE_RATE, decode_audio, probe_duration};
+use wav::wav16;
 
 /// Counts the bytes live on each thread, and their peak, so that a test can bound what one
 /// call allocated (tests run on threads of their own).
@@ -55,22 +59,6 @@ fn peak_bytes<T>(f: impl FnOnce() -> T) -> (T, usize) {
     PEAK.with(|p| p.set(base));
     let out = f();
     (out, PEAK.with(Cell::get) - base)
-}
-
-/// A 16-bit mono WAV at `rate`; `data_len` overrides the data chunk's stated length.
-fn wav16(samples: &[i16], rate: u32, data_len: Option<u32>) -> Vec<u8> {
-    let data: Vec<u8> = samples.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let len = data_len.unwrap_or(data.len() as u32);
-    let mut b = b"RIFF".to_vec();
-    b.extend(len.saturating_add(36).to_le_bytes());
-    b.extend(b"WAVEfmt ");
-    for v in [16u32, 1 | 1 << 16, rate, rate.wrapping_mul(2), 2 | 16 << 16] {
-        b.extend(v.to_le_bytes());
-    }
-    b.extend(b"data");
-    b.extend(len.to_le_bytes());
-    b.extend(data);
-    b
 }
 
 /// A sweep with some noise: every frequency band of the resampler carries signal.
