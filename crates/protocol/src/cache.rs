@@ -305,16 +305,11 @@ pub trait EmbedCache {
     /// (an api process coalesces what its concurrent requests ask for meanwhile).
     async fn batch(ops: Vec<CacheOp>) -> Vec<CacheOpResult>;
     async fn set_items_data(ids: Vec<u64>) -> Result<(), CacheError>;
-    async fn get_items_data(ids: Vec<u64>) -> Result<Vec<bool>, CacheError>;
     /// Resolves when every item's raw data is written, or fails after `timeout_ms`.
     async fn wait_items_data(ids: Vec<u64>, timeout_ms: u64) -> Result<(), CacheError>;
-    async fn set_items_embed(ids: Vec<u64>) -> Result<(), CacheError>;
-    async fn get_items_embed(ids: Vec<u64>) -> Result<Vec<bool>, CacheError>;
-    /// Takes a reference (for this connection) to each item still present; `false` for
-    /// the others. The encoder pins what it encodes, so no slot is reused under it.
-    async fn pin(ids: Vec<u64>) -> Vec<bool>;
     /// What the encoder asks of a batch in one round trip: each item's state, pinned (a
-    /// reference of this connection) if it still needs its embedding.
+    /// reference of this connection, so no slot is reused under it) if it still needs
+    /// its embedding.
     async fn pin_unready(ids: Vec<u64>) -> Vec<PinState>;
     /// The encoder is done with a batch: `ready` have their embeddings, and one
     /// reference of this connection to each of `unpin` is released (ids that are gone

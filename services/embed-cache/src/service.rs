@@ -482,19 +482,10 @@ impl EmbedCache for CacheService {
         results
     }
 
-    async fn pin(self, _: Context, ids: Vec<u64>) -> Vec<bool> {
-        let owner = self.owner;
-        self.with_state(|s| s.pin(owner, &ids))
-    }
-
     async fn set_items_data(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
         self.with_state(|s| s.set_data_ready(&ids))?;
         self.shared.data_ready.notify_waiters();
         Ok(())
-    }
-
-    async fn get_items_data(self, _: Context, ids: Vec<u64>) -> Result<Vec<bool>, CacheError> {
-        self.lock().state.data_ready(&ids)
     }
 
     async fn wait_items_data(self, _: Context, ids: Vec<u64>, timeout_ms: u64) -> Result<(), CacheError> {
@@ -529,18 +520,10 @@ impl EmbedCache for CacheService {
 
     async fn encoded(self, _: Context, ready: Vec<u64>, unpin: Vec<u64>) -> Result<(), CacheError> {
         let owner = self.owner;
-        // Marked even if a release fails: the rows are written.
-        let marked = self.with_state(|s| s.set_embed_ready(&ready).and(s.release(owner, &unpin)));
-        self.shared.data_ready.notify_waiters();
-        marked
-    }
-
-    async fn set_items_embed(self, _: Context, ids: Vec<u64>) -> Result<(), CacheError> {
-        self.lock().state.set_embed_ready(&ids)
-    }
-
-    async fn get_items_embed(self, _: Context, ids: Vec<u64>) -> Result<Vec<bool>, CacheError> {
-        self.lock().state.embed_ready(&ids)
+        self.with_state(|s| {
+            s.set_embed_ready(&ready);
+            s.release(owner, &unpin)
+        })
     }
 
     async fn arena(self, _: Context) -> ArenaInfo {

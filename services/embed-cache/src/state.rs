@@ -349,8 +349,7 @@ impl CacheState {
                 self.hits += 1;
                 false
             };
-            self.touch(id);
-            *self.held.entry(owner).or_default().entry(id).or_default() += 1;
+            self.take_ref(owner, id);
             let r = &self.records[&id];
             out.push(ItemRecord {
                 id,
@@ -411,6 +410,12 @@ impl CacheState {
                 return Some((victims, placed));
             }
         }
+    }
+
+    /// One more reference of `owner` to the record.
+    fn take_ref(&mut self, owner: Holder, id: u64) {
+        self.touch(id);
+        *self.held.entry(owner).or_default().entry(id).or_default() += 1;
     }
 
     /// Adds a reference and marks the record used now.
@@ -545,13 +550,12 @@ impl CacheState {
 
     /// Marks items' embeddings written; ids of items that are gone (evicted after an
     /// operator's drop, say) are skipped: nobody can read their rows any more.
-    pub fn set_embed_ready(&mut self, ids: &[u64]) -> Result<(), CacheError> {
+    pub fn set_embed_ready(&mut self, ids: &[u64]) {
         for id in ids {
             if let Some(r) = self.records.get_mut(id) {
                 r.embed_ready = true;
             }
         }
-        Ok(())
     }
 
     pub fn data_ready(&self, ids: &[u64]) -> Result<Vec<bool>, CacheError> {
@@ -560,22 +564,6 @@ impl CacheState {
                 None => Err(CacheError::UnknownItem(*id)),
                 Some(r) if r.abandoned => Err(CacheError::Abandoned(*id)),
                 Some(r) => Ok(r.data_ready),
-            })
-            .collect()
-    }
-
-    /// Takes a reference to each known item for `owner` (the encoder, while it encodes);
-    /// `false` for items that are gone or abandoned (nothing taken for those).
-    pub fn pin(&mut self, owner: impl Into<Holder>, ids: &[u64]) -> Vec<bool> {
-        let owner = owner.into();
-        ids.iter()
-            .map(|&id| match self.records.get(&id) {
-                Some(r) if !r.abandoned => {
-                    self.touch(id);
-                    *self.held.entry(owner).or_default().entry(id).or_default() += 1;
-                    true
-                }
-                _ => false,
             })
             .collect()
     }
@@ -589,17 +577,12 @@ impl CacheState {
                 Some(r) if r.abandoned => PinState::Gone,
                 Some(r) if r.embed_ready => PinState::Ready,
                 Some(_) => {
-                    self.touch(id);
-                    *self.held.entry(owner).or_default().entry(id).or_default() += 1;
+                    self.take_ref(owner, id);
                     PinState::Pinned
                 }
                 None => PinState::Gone,
             })
             .collect()
-    }
-
-    pub fn embed_ready(&self, ids: &[u64]) -> Result<Vec<bool>, CacheError> {
-        ids.iter().map(|id| self.records.get(id).map(|r| r.embed_ready).ok_or(CacheError::UnknownItem(*id))).collect()
     }
 
     pub fn stats(&self) -> CacheStats {

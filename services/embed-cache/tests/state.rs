@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use mmserve_embed_cache::state::{CacheState, DATA_PAGE, Holder, Limits, Owner, Refusal};
-use mmserve_protocol::{AdminError, AllocItem, CacheError, ItemDigest, ItemKey, ItemRecord, Modality};
+use mmserve_protocol::{AdminError, AllocItem, CacheError, ItemDigest, ItemKey, ItemRecord, Modality, PinState};
 use proptest::prelude::*;
 
 fn digest(b: u8) -> ItemDigest {
@@ -251,7 +251,7 @@ fn pins_keep_items_from_eviction_and_skip_missing_ones() {
     const ENCODER: Owner = 9;
     let mut s = CacheState::new(limits(10, 10));
     let a = alloc(&mut s, A, &[item(1, 10)]);
-    assert_eq!(s.pin(ENCODER, &[a[0].id, 12345]), vec![true, false]);
+    assert_eq!(s.pin_unready(ENCODER, &[a[0].id, 12345]), vec![PinState::Pinned, PinState::Gone]);
     s.release(A, &ids(&a)).unwrap();
     // Pinned by the encoder: a request that needs the room must wait.
     assert!(matches!(s.try_alloc(B, &[item(2, 10)]), Err(Refusal::NotNow { .. })));
@@ -331,7 +331,7 @@ fn stuck_items_are_listed_and_dropped_with_their_references() {
     assert!(matches!(s.data_ready(&ids(&leaked)), Err(CacheError::UnknownItem(_))));
     s.check().unwrap();
     const ENCODER: Owner = 9;
-    assert_eq!(s.pin(ENCODER, &[busy[0].id]), vec![true]);
+    assert_eq!(s.pin_unready(ENCODER, &[busy[0].id]), vec![PinState::Pinned]);
     assert_eq!(s.drop_item(ItemKey([2; 16]), true, Instant::now()).unwrap(), 1, "force drops a referenced item");
     s.release(ENCODER, &[busy[0].id]).unwrap(); // a pin of a dropped item: nothing left to release
     assert_eq!((s.stats().items, s.stats().references, s.stats().slots_used), (0, 0, 0));

@@ -109,25 +109,18 @@ impl EncoderService {
 }
 
 impl EncoderService {
-    async fn encode_inner(&self, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
+    async fn encode_inner(&self, todo: Vec<EncodeItem>) -> Result<(), EncoderError> {
         let cache_err = |e: mmserve_protocol::CacheError| match e {
             mmserve_protocol::CacheError::Timeout(ms) => EncoderError::Timeout(ms),
             other => EncoderError::Unavailable(other.to_string()),
         };
         let t = self.timeout;
-        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
-        let ready = self
-            .cache
-            .call(|c| async move { c.get_items_embed(deadline(t), ids).await })
-            .await
-            .map_err(|e| EncoderError::Unavailable(e.to_string()))?
-            .map_err(cache_err)?;
-        let todo: Vec<EncodeItem> = items.into_iter().zip(ready).filter(|(_, r)| !r).map(|(i, _)| i).collect();
         if todo.is_empty() {
             return Ok(());
         }
         // The request that created an item may still be writing its bytes: wait here, so
-        // the worker only ever gets items it can read.
+        // the worker only ever gets items it can read. (Items whose embeddings are ready
+        // meanwhile are found so by the preparing stage and not encoded again.)
         let ids: Vec<u64> = todo.iter().map(|i| i.id).collect();
         let timeout_ms = t.as_millis() as u64;
         self.cache
