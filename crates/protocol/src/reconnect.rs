@@ -219,7 +219,8 @@ impl Link {
 /// with the next call, a few times: it is idempotent, and nobody else would send it.
 async fn coalesce(link: Arc<Link>, mut rx: mpsc::UnboundedReceiver<(CacheOp, Option<Reply>)>) {
     let mut queued = Vec::with_capacity(MAX_BATCH);
-    let mut retry: Vec<(CacheOp, u32)> = Vec::new();
+    // Releases whose call failed: (lease, linger_ms, tries so far).
+    let mut retry: Vec<(u64, u64, u32)> = Vec::new();
     loop {
         if retry.is_empty() {
             if rx.recv_many(&mut queued, MAX_BATCH).await == 0 {
@@ -233,29 +234,41 @@ async fn coalesce(link: Arc<Link>, mut rx: mpsc::UnboundedReceiver<(CacheOp, Opt
                 queued.push(op);
             }
         }
-        let again = std::mem::take(&mut retry);
-        let tries: Vec<u32> = again.iter().map(|(_, n)| n + 1).chain(queued.iter().map(|_| 1)).collect();
-        let (ops, replies): (Vec<CacheOp>, Vec<Option<Reply>>) =
-            again.into_iter().map(|(op, _)| (op, None)).chain(queued.drain(..)).unzip();
-        let sent = ops.clone();
+        // Who waits for each operation's result: a caller, or nobody (a lease's release,
+        // kept here so that it can be sent again).
+        let mut ops = Vec::with_capacity(retry.len() + queued.len());
+        let mut owners: Vec<Result<Reply, (u64, u64, u32)>> = Vec::with_capacity(ops.capacity());
+        for (lease, linger_ms, tries) in retry.drain(..) {
+            ops.push(CacheOp::ReleaseLease { lease, linger_ms });
+            owners.push(Err((lease, linger_ms, tries)));
+        }
+        for (op, reply) in queued.drain(..) {
+            owners.push(match (&op, reply) {
+                (_, Some(reply)) => Ok(reply),
+                (&CacheOp::ReleaseLease { lease, linger_ms }, None) => Err((lease, linger_ms, 0)),
+                (_, None) => continue, // only releases are sent without a reply
+            });
+            ops.push(op);
+        }
+        let n = ops.len();
         let outcome = link.call(|c| async move { c.batch(deadline(BATCH_TIMEOUT), ops).await }).await;
         let results: Vec<Result<CacheOpResult, RpcFailure>> = match outcome {
-            Ok(results) if results.len() == replies.len() => results.into_iter().map(Ok).collect(),
+            Ok(results) if results.len() == n => results.into_iter().map(Ok).collect(),
             Ok(results) => {
-                let reason = format!("{} results for {} operations", results.len(), replies.len());
-                vec![Err(RpcFailure { service: "embed cache", reason }); replies.len()]
+                let reason = format!("{} results for {n} operations", results.len());
+                vec![Err(RpcFailure { service: "embed cache", reason }); n]
             }
-            Err(e) => vec![Err(e); replies.len()],
+            Err(e) => vec![Err(e); n],
         };
-        for (((reply, r), op), n) in replies.into_iter().zip(results).zip(sent).zip(tries) {
-            match (reply, r) {
-                (Some(reply), r) => drop(reply.send(r)),
-                (None, Ok(_)) => {}
-                (None, Err(e)) if n < RELEASE_TRIES => {
-                    tracing::warn!("releasing a lease (try {n}): {e}; trying again");
-                    retry.push((op, n));
+        for (owner, r) in owners.into_iter().zip(results) {
+            match (owner, r) {
+                (Ok(reply), r) => drop(reply.send(r)),
+                (Err(_), Ok(_)) => {}
+                (Err((lease, linger_ms, tries)), Err(e)) if tries + 1 < RELEASE_TRIES => {
+                    tracing::warn!("releasing a lease (try {}): {e}; trying again", tries + 1);
+                    retry.push((lease, linger_ms, tries + 1));
                 }
-                (None, Err(e)) => tracing::error!("releasing a lease failed {n} times: {e}; giving up"),
+                (Err(_), Err(e)) => tracing::error!("releasing a lease failed {RELEASE_TRIES} times: {e}; giving up"),
             }
         }
     }
