@@ -214,7 +214,8 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     }
     check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
     let ids = {
-        let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages.clone(), parsed.text_bytes);
+        // Moved, not copied: a prompt's text may be megabytes.
+        let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages, parsed.text_bytes);
         cpu::run(&state.limits.cpu_slots, "tokenizing prompts", move || {
             if let Some(marks) = &st.literal_marks {
                 mark_literal(&mut messages, marks, &st.tokenizer);
