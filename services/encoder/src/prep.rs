@@ -83,7 +83,9 @@ impl Prep {
             Ok(mapped) => mapped.view().clone(),
             Err(e) => return self.give_up(item, ItemFailure::Internal(e.to_string()), out).await,
         };
-        let Ok(thread) = self.threads.clone().acquire_owned().await else { return };
+        let Ok(thread) = self.threads.clone().acquire_owned().await else {
+            return self.give_up(item, ItemFailure::Internal("the preprocessing pool is closed".into()), out).await;
+        };
         let (preparer, out, shared, cache, t, preparing) = (
             self.preparer.clone(),
             out.clone(),

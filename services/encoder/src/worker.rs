@@ -88,10 +88,9 @@ impl Worker {
 
     /// One tower forward for items of one cache instance; every pin is released after.
     fn encode(&mut self, batch: Vec<Prepared>, rt: &Handle) {
-        let items: Vec<EncodeItem> = batch.iter().map(|p| p.item.clone()).collect();
-        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
         let view = batch[0].view.clone();
-        let inputs: Vec<Input> = batch.into_iter().map(|p| p.input).collect();
+        let (items, inputs): (Vec<EncodeItem>, Vec<Input>) = batch.into_iter().map(|p| (p.item, p.input)).unzip();
+        let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
         let result = self.remap(view).and_then(|()| self.run_tower(&items, inputs));
         let ready = if result.is_ok() { ids.clone() } else { Vec::new() };
         let t = self.timeout;
@@ -114,7 +113,7 @@ impl Worker {
     /// Registers `view`'s rows with the device if they are not the ones registered (the
     /// cache restarted).
     fn remap(&mut self, view: Arc<ArenaView>) -> Result<(), ItemFailure> {
-        if Arc::ptr_eq(&view, &self.arena) || view.info.instance == self.arena.info.instance {
+        if view.info.instance == self.arena.info.instance {
             return Ok(());
         }
         self.rows = map_rows(&view, self.tower.device()).map_err(internal)?;
