@@ -175,3 +175,17 @@ fn a_long_clip_with_a_stated_length_is_decoded_only_as_far_as_kept() {
     assert_eq!(w.samples.len(), 30 * TARGET_SAMPLE_RATE as usize);
     assert!(peak < 6 << 20, "{} MB allocated", peak >> 20);
 }
+
+/// A WAV header with no channels or absurdly many is refused, naming the count (the WAV
+/// reader's own arithmetic on it overflows).
+#[test]
+fn wav_channel_counts_out_of_range_are_refused() {
+    for channels in [0u16, 65, u16::MAX] {
+        let mut wav = wav16(&tone(400, 8000), 8000, None);
+        wav[22..24].copy_from_slice(&channels.to_le_bytes());
+        match decode_audio(&wav, None, &AudioLimits::default()) {
+            Err(AudioError::Undecodable(m)) => assert!(m.contains(&format!("{channels} channels")), "{m}"),
+            other => panic!("{channels} channels: {other:?}"),
+        }
+    }
+}

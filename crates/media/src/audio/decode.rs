@@ -416,27 +416,32 @@ fn undecodable(e: SymError) -> AudioError {
     }
 }
 
+/// A RIFF WAVE file's chunks: (offset of the chunk's header, its id, its stated length);
+/// nothing for other files.
+fn wav_chunks(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8], usize)> {
+    let wave = bytes.get(..4) == Some(b"RIFF") && bytes.get(8..12) == Some(b"WAVE");
+    let mut at = if wave { 12 } else { usize::MAX };
+    std::iter::from_fn(move || {
+        let header = bytes.get(at..at.checked_add(8)?)?;
+        let len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
+        let chunk = (at, &header[..4], len);
+        at = at.saturating_add(8).saturating_add(len).saturating_add(len & 1);
+        Some(chunk)
+    })
+}
+
 /// A WAV written as a stream states its data length as 0xFFFFFFFF; symphonia then drops the last
 /// partial packet at the end of the file. Such a file gets the length that is really there.
 fn unstream_wav(bytes: &[u8]) -> Cow<'_, [u8]> {
-    if bytes.get(..4) != Some(b"RIFF") || bytes.get(8..12) != Some(b"WAVE") {
-        return Cow::Borrowed(bytes);
-    }
-    let mut at = 12;
-    while let Some(header) = bytes.get(at..at + 8) {
-        let len = u32::from_le_bytes(header[4..8].try_into().unwrap());
-        if &header[..4] == b"data" {
-            if len != u32::MAX {
-                break;
-            }
+    match wav_chunks(bytes).find(|(_, id, _)| *id == b"data") {
+        Some((at, _, len)) if len == u32::MAX as usize => {
             let real = u32::try_from(bytes.len() - at - 8).unwrap_or(u32::MAX - 1);
             let mut patched = bytes.to_vec();
             patched[at + 4..at + 8].copy_from_slice(&real.to_le_bytes());
-            return Cow::Owned(patched);
+            Cow::Owned(patched)
         }
-        at = at.saturating_add(8).saturating_add(len as usize).saturating_add(len as usize & 1);
+        _ => Cow::Borrowed(bytes),
     }
-    Cow::Borrowed(bytes)
 }
 
 /// Most channels a WAV file may declare: no recording has more, and the WAV reader's
@@ -445,23 +450,13 @@ const MAX_WAV_CHANNELS: u16 = 64;
 
 /// Refuses a WAV `fmt ` chunk that declares no channels or absurdly many.
 fn check_wav_channels(bytes: &[u8]) -> Result<(), AudioError> {
-    if bytes.get(..4) != Some(b"RIFF") || bytes.get(8..12) != Some(b"WAVE") {
-        return Ok(());
-    }
-    let mut at = 12usize;
-    while let Some(header) = bytes.get(at..at.saturating_add(8)) {
-        let len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
-        if &header[..4] == b"fmt " {
-            let Some(c) = bytes.get(at + 10..at + 12) else { return Ok(()) };
-            let channels = u16::from_le_bytes([c[0], c[1]]);
-            if channels == 0 || channels > MAX_WAV_CHANNELS {
-                return Err(AudioError::Undecodable(format!(
-                    "the WAV header declares {channels} channels (at most {MAX_WAV_CHANNELS} are read)"
-                )));
-            }
-            return Ok(());
-        }
-        at = at.saturating_add(8).saturating_add(len).saturating_add(len & 1);
+    let Some((at, _, _)) = wav_chunks(bytes).find(|(_, id, _)| *id == b"fmt ") else { return Ok(()) };
+    let Some(c) = bytes.get(at + 10..at + 12) else { return Ok(()) };
+    let channels = u16::from_le_bytes([c[0], c[1]]);
+    if channels == 0 || channels > MAX_WAV_CHANNELS {
+        return Err(AudioError::Undecodable(format!(
+            "the WAV header declares {channels} channels (at most {MAX_WAV_CHANNELS} are read)"
+        )));
     }
     Ok(())
 }
