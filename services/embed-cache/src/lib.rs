@@ -66,19 +66,13 @@ impl AdminLimitArgs {
     }
 
     fn limits(&self) -> Result<admin::AdminLimits, CacheServiceError> {
-        let secs = |v: f64, flag: &str| {
-            Duration::try_from_secs_f64(v)
-                .ok()
-                .filter(|d| !d.is_zero())
-                .ok_or_else(|| CacheServiceError::Capacity(format!("{flag} must be positive")))
-        };
         if self.admin_max_connections == 0 {
             return Err(CacheServiceError::Capacity("--admin-max-connections must be positive".into()));
         }
         Ok(admin::AdminLimits {
             max_connections: self.admin_max_connections,
-            auth_timeout: secs(self.admin_auth_timeout_s, "--admin-auth-timeout-s")?,
-            idle_timeout: secs(self.admin_idle_timeout_s, "--admin-idle-timeout-s")?,
+            auth_timeout: positive_secs(self.admin_auth_timeout_s, "--admin-auth-timeout-s")?,
+            idle_timeout: positive_secs(self.admin_idle_timeout_s, "--admin-idle-timeout-s")?,
         })
     }
 }
@@ -137,6 +131,14 @@ impl AdminArgs {
         }
         Ok(Some(token))
     }
+}
+
+/// A positive duration from a flag given in seconds.
+pub(crate) fn positive_secs(v: f64, flag: &str) -> Result<Duration, CacheServiceError> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| CacheServiceError::Capacity(format!("{flag} must be positive")))
 }
 
 #[derive(Debug, thiserror::Error)]

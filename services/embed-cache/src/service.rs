@@ -179,10 +179,7 @@ impl CacheService {
             data_bytes: cap.embed_cache_data_size.0,
             request_slots: ((slots as f64) * cap.embed_cache_request_share).floor().max(1.0) as u64,
         };
-        let data_timeout = Duration::try_from_secs_f64(cap.embed_cache_data_timeout_s)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| CacheServiceError::Capacity("--embed-cache-data-timeout-s must be positive".into()))?;
+        let data_timeout = crate::positive_secs(cap.embed_cache_data_timeout_s, "--embed-cache-data-timeout-s")?;
         let prefix = args.shm_prefix.clone().unwrap_or_else(default_prefix);
         let lock = InstanceLock::acquire(&prefix)?;
         let embed_segment = format!("{prefix}.arena");
