@@ -318,7 +318,7 @@ async fn a_restarted_cache_is_reconnected_and_a_dead_ones_segments_are_swept() {
     let err = conn.call(|c| async move { c.stats(deadline(Duration::from_secs(2))).await }).await;
     assert!(err.is_err(), "a call to a dead cache fails rather than hangs");
     let ids: Vec<u64> = held.records.iter().map(|r| r.id).collect();
-    assert!(conn.release(ids).await.is_err(), "a coalesced call to a dead cache fails too");
+    assert!(conn.set_items_data(ids).await.is_err(), "a coalesced call to a dead cache fails too");
 
     let cache = CacheProc::start(&socket, &second, 100, 100, None);
     assert!(mmserve_shm::list_with_prefix(&format!("{first}.")).is_empty(), "the dead instance's segments were swept");
@@ -356,8 +356,8 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
     // Decided in order: two fit, the third would wait, and the fourth (which would fit)
     // must not overtake it.
     let r = run(vec![
-        CacheOp::Alloc { lease: 0, items: vec![item(1, 30)] },
-        CacheOp::Alloc { lease: 0, items: vec![item(2, 30)] },
+        CacheOp::Alloc { lease: 1, items: vec![item(1, 30)] },
+        CacheOp::Alloc { lease: 2, items: vec![item(2, 30)] },
         CacheOp::Alloc { lease: 0, items: vec![item(3, 30), item(4, 30)] },
         CacheOp::Alloc { lease: 0, items: vec![item(5, 5)] },
     ])
@@ -384,16 +384,17 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
     ));
     // Errors are per operation; a release hands the room to the line first.
     let r = run(vec![
-        CacheOp::Release(vec![ids[0], ids[0]]),
-        CacheOp::SetData(ids.clone()),
-        CacheOp::Release(ids),
+        CacheOp::SetData(vec![u64::MAX]),
+        CacheOp::SetData(ids),
+        CacheOp::ReleaseLease { lease: 1, linger_ms: 0 },
+        CacheOp::ReleaseLease { lease: 2, linger_ms: 0 },
         CacheOp::Alloc { lease: 0, items: vec![item(8, 101)] },
     ])
     .await;
-    assert!(matches!(r[0], CacheOpResult::Failed(CacheError::NotReferenced(_))), "{:?}", r[0]);
+    assert!(matches!(r[0], CacheOpResult::Failed(CacheError::UnknownItem(_))), "{:?}", r[0]);
     assert!(matches!(r[1], CacheOpResult::Done), "{:?}", r[1]);
-    assert!(matches!(r[2], CacheOpResult::Done), "{:?}", r[2]);
-    assert!(matches!(r[3], CacheOpResult::Failed(CacheError::TooLarge { .. })), "{:?}", r[3]);
+    assert!(matches!((&r[2], &r[3]), (CacheOpResult::Released(1), CacheOpResult::Released(1))), "{r:?}");
+    assert!(matches!(r[4], CacheOpResult::Failed(CacheError::TooLarge { .. })), "{:?}", r[4]);
     let held = tokio::time::timeout(T, waiter).await.unwrap().unwrap().unwrap();
     release(&b, held).await;
 

@@ -266,7 +266,6 @@ pub enum CacheOp {
         lease: u64,
         items: Vec<AllocItem>,
     },
-    Release(Vec<u64>),
     /// As [`EmbedCache::release_lease`].
     ReleaseLease {
         lease: u64,

@@ -148,10 +148,6 @@ impl CacheConnection {
         outcome
     }
 
-    pub async fn release(&self, ids: Vec<u64>) -> Result<Result<(), CacheError>, RpcFailure> {
-        self.done(CacheOp::Release(ids)).await
-    }
-
     pub async fn set_items_data(&self, ids: Vec<u64>) -> Result<Result<(), CacheError>, RpcFailure> {
         self.done(CacheOp::SetData(ids)).await
     }

@@ -455,12 +455,6 @@ impl EmbedCache for CacheService {
                         }
                     }
                 }
-                CacheOp::Release(ids) => {
-                    notify = true;
-                    let r = inner.state.release(self.owner, &ids);
-                    inner.drain();
-                    r.map_or_else(CacheOpResult::Failed, |()| CacheOpResult::Done)
-                }
                 CacheOp::ReleaseLease { lease, linger_ms } => {
                     notify = true;
                     let n = inner.release_lease(Holder { conn: self.owner, lease }, linger_ms);
