@@ -2,7 +2,7 @@
 //! the connection broken fails with a clear error (it never hangs: every call has a
 //! deadline), and the next call connects afresh.
 //!
-//! The hot calls of an api process (`alloc` that need not wait, `release`,
+//! The hot calls of an api process (`alloc` that need not wait, a lease's release,
 //! `set_items_data`) are coalesced: one task sends whatever its concurrent requests
 //! asked for while the previous call was in flight as one [`EmbedCache::batch`] call,
 //! so the cache decides many requests per message and per lock pass.
