@@ -60,6 +60,6 @@ pub use paged_attention::self_test as paged_attention_self_test;
 pub use patch_embed::self_test as patch_embed_self_test;
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
 pub use row_copy::self_test as row_copy_self_test;
-pub use sampling::{SampleSettings, argmax_rows, sample_rows, self_test as sampling_self_test};
+pub use sampling::{SampleSettings, argmax_row, argmax_rows, sample_row, sample_rows, self_test as sampling_self_test};
 pub use skinny::self_test as skinny_self_test;
 pub use weights::{Naming, Weights, parse_dtype};

@@ -68,8 +68,9 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, ModelError> {
 
 struct ArgmaxRows;
 
-/// The kernel's order: numbers by value, NaN below them all, then the lower index.
-fn argmax_ref(row: &[f32]) -> u32 {
+/// The argmax of one row in the kernel's order: numbers by value, NaN below them all,
+/// then the lower index. The host's greedy choice and the CPU twin of `argmax_rows`.
+pub fn argmax_row(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in row.iter().enumerate() {
         if x > row[best] || (row[best].is_nan() && !x.is_nan()) {
@@ -88,7 +89,7 @@ impl CustomOp1 for ArgmaxRows {
         let (rows, n) = l.shape().dims2()?;
         let CpuStorage::F32(x) = s else { candle_core::bail!("argmax_rows: logits must be f32") };
         let x = &x[l.start_offset()..];
-        let out = (0..rows).map(|r| argmax_ref(&x[r * n..(r + 1) * n])).collect();
+        let out = (0..rows).map(|r| argmax_row(&x[r * n..(r + 1) * n])).collect();
         Ok((CpuStorage::U32(out), Shape::from(rows)))
     }
 
@@ -140,8 +141,14 @@ fn mass(w: f32) -> u64 {
     (f64::from(w) * SCALE) as u64
 }
 
-/// The CPU twin of one block of `sample_rows`: the same integer rules, over a sort.
-fn sample_ref(l: &[f32], p: &[f64]) -> u32 {
+/// The draw of one row under `s`: the host sampler's choice and the CPU twin of one
+/// block of `sample_rows` (the same integer rules, over a sort). `s.temperature` must be
+/// positive (greedy is [`argmax_row`]'s job).
+pub fn sample_row(logits: &[f32], s: &SampleSettings) -> u32 {
+    draw(logits, &s.params())
+}
+
+fn draw(l: &[f32], p: &[f64]) -> u32 {
     let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !m.is_finite() {
         return l.iter().position(|&x| x == m).unwrap_or(l.len() - 1) as u32;
@@ -197,7 +204,7 @@ impl CustomOp1 for SampleRows {
         let (rows, n) = l.shape().dims2()?;
         let CpuStorage::F32(x) = s else { candle_core::bail!("sample_rows: logits must be f32") };
         let x = &x[l.start_offset()..];
-        let out = (0..rows).map(|r| sample_ref(&x[r * n..(r + 1) * n], &self.params[5 * r..5 * r + 5])).collect();
+        let out = (0..rows).map(|r| draw(&x[r * n..(r + 1) * n], &self.params[5 * r..5 * r + 5])).collect();
         Ok((CpuStorage::U32(out), Shape::from(rows)))
     }
 
@@ -319,8 +326,91 @@ mod tests {
         assert_eq!(argmax_rows(&all_nan).unwrap(), [0]);
     }
 
+    /// An independent reference written for the test: the textbook sampler, with f64
+    /// probabilities sorted best first, each filter keeping a prefix, and a linear walk.
+    fn textbook(logits: &[f32], s: &SampleSettings) -> u32 {
+        let inv_t = 1.0 / f64::from(s.temperature);
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, ((f64::from(l) - f64::from(max)) * inv_t).exp()))
+            .filter(|p| p.1 > 0.0)
+            .collect();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if s.top_k > 0 {
+            probs.truncate(s.top_k as usize);
+        }
+        if s.min_p > 0.0 {
+            let floor = probs[0].1 * f64::from(s.min_p);
+            probs.retain(|p| p.1 >= floor);
+        }
+        let total: f64 = probs.iter().map(|p| p.1).sum();
+        probs.iter_mut().for_each(|p| p.1 /= total);
+        if s.top_p < 1.0 {
+            let mut mass = 0.0;
+            let keep = probs
+                .iter()
+                .position(|p| {
+                    mass += p.1;
+                    mass >= f64::from(s.top_p)
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+            let kept: f64 = probs.iter().map(|p| p.1).sum();
+            probs.iter_mut().for_each(|p| p.1 /= kept);
+        }
+        let mut u = s.u;
+        for &(id, p) in &probs {
+            if u < p {
+                return id;
+            }
+            u -= p;
+        }
+        probs.last().map_or(0, |p| p.0)
+    }
+
     #[test]
-    fn self_test_compares_the_cpu_with_itself() {
-        assert!(self_test(&Device::Cpu).unwrap().is_empty());
+    fn the_cpu_twin_draws_what_the_textbook_sampler_draws() {
+        let mut seed = 11u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let cases = 400;
+        for case in 0..cases {
+            let logits: Vec<f32> = (0..500).map(|_| (next() * 12.0 - 6.0) as f32).collect();
+            let s = SampleSettings {
+                temperature: [0.5, 1.0, 1.5][case % 3],
+                top_k: [0, 40, 1, 0][case % 4],
+                top_p: [1.0, 0.9, 0.5][case % 3],
+                min_p: [0.0, 0.0, 0.05, 0.0, 0.0][case % 5],
+                u: next(),
+            };
+            // Integer masses (2^-40) against f64 sums: a draw can differ only within
+            // rounding of a boundary, which these draws never hit.
+            assert_eq!(sample_row(&logits, &s), textbook(&logits, &s), "case {case}: {s:?}");
+        }
+    }
+
+    #[test]
+    fn the_cpu_argmax_is_a_plain_loops() {
+        let mut seed = 5u64;
+        for case in 0..200 {
+            let row: Vec<f32> = (0..97)
+                .map(|i| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    // Few distinct values, so ties are common.
+                    if (i + case) % 41 == 0 { f32::NAN } else { ((seed >> 60) as f32) - 8.0 }
+                })
+                .collect();
+            let mut best: Option<usize> = None;
+            for (i, &x) in row.iter().enumerate() {
+                if !x.is_nan() && best.is_none_or(|b| x > row[b]) {
+                    best = Some(i);
+                }
+            }
+            assert_eq!(argmax_row(&row) as usize, best.unwrap_or(0), "case {case}");
+        }
     }
 }

@@ -1,17 +1,23 @@
 //! The engine service (its own process): router, worker and detokenizer in one loop.
 //!
 //! The tarpc face ([`service`]) turns `submit` / `abort` into commands on a bounded
-//! channel; the model thread ([`batch`]) owns every running sequence, runs one batched
-//! forward step at a time (new requests prefill in the same step in which running ones
-//! decode), samples ([`sampler`]), detokenizes and pushes events into the [`outbox`],
-//! from which each api process long-polls its own.
+//! channel; the model thread ([`model_loop`]) owns every running sequence and wires four
+//! parts, one batched forward step at a time (new requests prefill in the same step in
+//! which running ones decode): the [`scheduler`] plans (admission, chunked prefill,
+//! preemption, KV blocks; pure), the [`runner`] executes the plan on the model, the
+//! [`sampler`] chooses tokens (on the device or the host), and the [`output`] processor
+//! detokenizes, matches stops and pushes events into the [`outbox`], from which each api
+//! process long-polls its own.
 
 pub mod admission;
-mod batch;
 mod inputs;
 pub mod kv;
+mod model_loop;
 mod outbox;
+mod output;
+mod runner;
 mod sampler;
+pub mod scheduler;
 mod service;
 mod stops;
 

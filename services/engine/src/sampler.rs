@@ -1,11 +1,19 @@
-//! Choosing the next token: penalties (repetition, presence, frequency), `min_tokens`,
-//! then greedy, or temperature with top-k, top-p and min-p, from a per-request seeded
-//! generator (the same seed and input give the same output whatever else runs).
-//! Log-probabilities are those of the model's distribution, before any of the settings.
+//! The sampler: every rule for choosing the next token, and where it is chosen.
+//!
+//! Penalties (repetition, presence, frequency) and `min_tokens` adjust the row on the
+//! host; then greedy, or temperature with top-k, min-p and top-p, from a per-request
+//! seeded generator (the same seed and input give the same output whatever else runs).
+//! The draw's rules are `mmserve_models::sample_row`'s, one implementation that the
+//! device kernel is tested against. A step's rows go where they are cheapest ([`Pick`]):
+//! the argmax or the draw where the logits are when nothing needs the whole row, the
+//! host otherwise. Log-probabilities are those of the model's distribution, before any
+//! of the settings.
 
 use std::collections::HashMap;
 
-use mmserve_protocol::{SamplingParams, TokenLogprobs};
+use candle_core::Tensor;
+use mmserve_models::{ModelError, SampleSettings, argmax_rows, sample_rows};
+use mmserve_protocol::{GenerateRequest, SamplingParams, TokenLogprobs};
 
 /// splitmix64: small, fast, and reproducible across platforms.
 #[derive(Debug, Clone)]
@@ -86,14 +94,12 @@ fn logits_suffice(params: &SamplingParams, history: &History) -> bool {
 }
 
 /// The settings [`sample`] applies, with the generator's next draw (left unconsumed).
-pub fn device_settings(params: &SamplingParams, rng: &Rng) -> mmserve_models::SampleSettings {
-    mmserve_models::SampleSettings {
-        temperature: params.temperature,
-        top_k: params.top_k,
-        min_p: params.min_p,
-        top_p: params.top_p,
-        u: rng.clone().next_f64(),
-    }
+pub fn device_settings(params: &SamplingParams, rng: &Rng) -> SampleSettings {
+    settings(params, rng.clone().next_f64())
+}
+
+fn settings(params: &SamplingParams, u: f64) -> SampleSettings {
+    SampleSettings { temperature: params.temperature, top_k: params.top_k, min_p: params.min_p, top_p: params.top_p, u }
 }
 
 /// Applies penalties and `min_tokens` to `logits` in place.
@@ -141,64 +147,142 @@ pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
     TokenLogprobs { logprob: lp(logits.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY)), top }
 }
 
+/// The next token from a host row (penalties already applied): the argmax when greedy,
+/// else a draw with the request's generator under the same rules as the device's
+/// ([`mmserve_models::sample_row`], one implementation for both).
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     if params.temperature < GREEDY_BELOW {
         return argmax(logits);
     }
-    let inv_t = 1.0 / f64::from(params.temperature);
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(u32, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, ((f64::from(l) - f64::from(max)) * inv_t).exp()))
-        .filter(|p| p.1 > 0.0)
-        .collect();
-    if probs.is_empty() {
-        return argmax(logits);
-    }
-    // Best first (ties by id), so every filter below keeps a prefix.
-    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if params.top_k > 0 {
-        probs.truncate(params.top_k as usize);
-    }
-    if params.min_p > 0.0 {
-        let floor = probs[0].1 * f64::from(params.min_p);
-        probs.retain(|p| p.1 >= floor);
-    }
-    let total: f64 = probs.iter().map(|p| p.1).sum();
-    probs.iter_mut().for_each(|p| p.1 /= total);
-    if params.top_p < 1.0 {
-        let mut mass = 0.0;
-        let keep = probs
-            .iter()
-            .position(|p| {
-                mass += p.1;
-                mass >= f64::from(params.top_p)
-            })
-            .map_or(probs.len(), |i| i + 1);
-        probs.truncate(keep);
-        let kept: f64 = probs.iter().map(|p| p.1).sum();
-        probs.iter_mut().for_each(|p| p.1 /= kept);
-    }
-    let mut u = rng.next_f64();
-    for &(id, p) in &probs {
-        if u < p {
-            return id;
-        }
-        u -= p;
-    }
-    probs.last().map_or(0, |p| p.0)
+    mmserve_models::sample_row(logits, &settings(params, rng.next_f64()))
 }
 
-/// Index of the largest logit (the first on ties, as torch.argmax).
+/// Index of the largest logit (the first on ties, as torch.argmax; NaN loses).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    mmserve_models::argmax_row(logits)
+}
+
+/// What one sequence's sampling depends on besides its request.
+#[derive(Debug, Clone)]
+pub struct SamplingState {
+    pub history: History,
+    pub rng: Rng,
+    /// Ids that end the sequence: the request's, plus EOS unless `ignore_eos`.
+    pub stop_ids: Vec<u32>,
+}
+
+impl SamplingState {
+    /// `vocab` bounds the prompt's text ids (media positions are not tokens); an
+    /// unseeded request gets a fresh seed.
+    pub fn new(req: &GenerateRequest, vocab: usize, eos_ids: &[u32]) -> Self {
+        let p = &req.params;
+        let mut stop_ids = p.stop_token_ids.clone();
+        if !p.ignore_eos {
+            stop_ids.extend_from_slice(eos_ids);
+        }
+        let prompt = req.prompt_ids.iter().filter(|&&t| t < vocab as u64).map(|&t| t as u32).collect();
+        SamplingState {
+            history: History { prompt, ..Default::default() },
+            rng: Rng::new(p.seed.unwrap_or_else(|| fresh_seed(req.id))),
+            stop_ids,
         }
     }
-    best as u32
+
+    /// The token `next` stands for, with its log-probabilities when asked; advances the
+    /// generator by exactly the draws made, wherever they were made.
+    pub fn choose(&mut self, params: &SamplingParams, next: Next) -> (u32, Option<TokenLogprobs>) {
+        let (token, lps) = match next {
+            Next::Greedy(token) => (token, None),
+            Next::Sampled(token) => {
+                self.rng.next_f64(); // the draw the device used
+                (token, None)
+            }
+            Next::Logits(mut row) => {
+                let raw = params.logprobs.map(|_| row.clone());
+                adjust(&mut row, params, &self.history, &self.stop_ids);
+                let token = sample(&row, params, &mut self.rng);
+                let k = usize::from(params.logprobs.unwrap_or(0).min(20));
+                (token, raw.map(|raw| logprobs(&raw, token, k)))
+            }
+        };
+        self.history.push(token);
+        (token, lps)
+    }
+}
+
+/// A seed for requests that give none: differs per request and per run.
+fn fresh_seed(id: u64) -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    Rng::new(nanos ^ id.rotate_left(32)).next_u64()
+}
+
+/// Where a planned row's next token is chosen.
+pub enum Pick {
+    /// The argmax, on the logits' device.
+    Argmax,
+    /// A draw under these settings, on the logits' device.
+    Draw(SampleSettings),
+    /// On the host, from the whole row (penalties, log-probabilities, siblings…).
+    Host,
+}
+
+/// Where the next token of a sequence (and of its parked `siblings`, which sample from
+/// the same row) is chosen. `emits`: whether it samples at all this step (a prefill
+/// chunk short of the prompt's end does not: the cheapest pick); `on_device`: whether
+/// the logits are where a device draw pays.
+pub fn pick<'a>(
+    params: &SamplingParams,
+    state: &SamplingState,
+    siblings: impl Iterator<Item = (&'a SamplingParams, &'a SamplingState)> + Clone,
+    emits: bool,
+    on_device: bool,
+) -> Pick {
+    let has_siblings = siblings.clone().next().is_some();
+    if !emits
+        || (argmax_decides(params, &state.history) && siblings.clone().all(|(p, s)| argmax_decides(p, &s.history)))
+    {
+        Pick::Argmax
+    } else if on_device && !has_siblings && device_samples(params, &state.history) {
+        Pick::Draw(device_settings(params, &state.rng))
+    } else {
+        Pick::Host
+    }
+}
+
+/// Each row's [`Next`] by its [`Pick`]: only ids cross to the host for device picks,
+/// whole rows only for the host's.
+pub fn next_tokens(logits: &Tensor, picks: &[Pick]) -> Result<Vec<Next>, ModelError> {
+    let rows_of = |want: fn(&Pick) -> bool| -> Vec<u32> {
+        (0..picks.len() as u32).filter(|&i| want(&picks[i as usize])).collect()
+    };
+    let select = |rows: &[u32]| -> candle_core::Result<Tensor> {
+        if rows.len() == picks.len() {
+            Ok(logits.clone())
+        } else {
+            logits.index_select(&Tensor::new(rows, logits.device())?, 0)
+        }
+    };
+    let greedy_rows = rows_of(|p| matches!(p, Pick::Argmax));
+    let draw_rows = rows_of(|p| matches!(p, Pick::Draw(_)));
+    let host_rows = rows_of(|p| matches!(p, Pick::Host));
+    let mut argmax = if greedy_rows.is_empty() { Vec::new() } else { argmax_rows(&select(&greedy_rows)?)? }.into_iter();
+    let mut drawn = if draw_rows.is_empty() {
+        Vec::new()
+    } else {
+        let settings: Vec<SampleSettings> =
+            picks.iter().filter_map(|p| if let Pick::Draw(s) = p { Some(*s) } else { None }).collect();
+        sample_rows(&select(&draw_rows)?, &settings)?
+    }
+    .into_iter();
+    let mut host = if host_rows.is_empty() { Vec::new() } else { select(&host_rows)?.to_vec2::<f32>()? }.into_iter();
+    Ok(picks
+        .iter()
+        .map(|p| match p {
+            Pick::Argmax => Next::Greedy(argmax.next().unwrap_or_default()),
+            Pick::Draw(_) => Next::Sampled(drawn.next().unwrap_or_default()),
+            Pick::Host => Next::Logits(host.next().unwrap_or_default()),
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -234,31 +318,6 @@ mod tests {
         let d = draws(&logits, &params(|p| p.min_p = 0.5), 1, 300);
         assert!(d.iter().all(|&t| t < 2) && d.contains(&0) && d.contains(&1));
         assert_eq!(draws(&logits, &params(|p| p.top_k = 1), 1, 10), vec![0; 10]);
-    }
-
-    #[test]
-    fn the_device_sampler_draws_what_the_host_draws() {
-        // The device's rules (here its CPU twin) against `sample`, seed by seed.
-        let mut draws = Rng::new(11);
-        let mut same = 0;
-        let cases = 400;
-        for case in 0..cases {
-            let logits: Vec<f32> = (0..500).map(|_| (draws.next_f64() * 12.0 - 6.0) as f32).collect();
-            let p = params(|p| {
-                p.temperature = [0.5, 1.0, 1.5][case % 3];
-                p.top_k = [0, 40, 1, 0][case % 4];
-                p.top_p = [1.0, 0.9, 0.5][case % 3];
-                p.min_p = [0.0, 0.0, 0.05, 0.0, 0.0][case % 5];
-            });
-            let rng = Rng::new(case as u64);
-            let settings = device_settings(&p, &rng);
-            let t = candle_core::Tensor::from_slice(&logits, (1, 500), &candle_core::Device::Cpu).unwrap();
-            let device = mmserve_models::sample_rows(&t, &[settings]).unwrap()[0];
-            same += usize::from(device == sample(&logits, &p, &mut rng.clone()));
-        }
-        // Integer masses (2^-40) against f64 sums: a draw can differ only within
-        // rounding of a boundary, which these seeds never hit.
-        assert_eq!(same, cases);
     }
 
     #[test]
@@ -314,5 +373,19 @@ mod tests {
         assert!((lp.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-6);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
         assert!(lp.top[0].1 > lp.top[1].1);
+    }
+
+    #[test]
+    fn device_picks_send_ids_host_picks_whole_rows() {
+        let rows = [[0.0f32, 3.0, 1.0, 3.0], [5.0, -1.0, 0.0, 2.0], [-2.0, -1.0, -3.0, -0.5], [0.0, 0.0, 9.0, 0.0]];
+        let logits = candle_core::Tensor::new(&rows, &candle_core::Device::Cpu).unwrap();
+        let draw = mmserve_models::SampleSettings { temperature: 1.0, top_k: 1, min_p: 0.0, top_p: 1.0, u: 0.5 };
+        let next = next_tokens(&logits, &[Pick::Argmax, Pick::Host, Pick::Argmax, Pick::Draw(draw)]).unwrap();
+        assert!(matches!(next[0], Next::Greedy(1)), "first of tied maxima, as torch.argmax: {:?}", next[0]);
+        assert!(matches!(&next[1], Next::Logits(r) if r == &rows[1]), "{:?}", next[1]);
+        assert!(matches!(next[2], Next::Greedy(3)), "{:?}", next[2]);
+        assert!(matches!(next[3], Next::Sampled(2)), "top-1 of its own row: {:?}", next[3]);
+        let all = next_tokens(&logits, &[Pick::Host, Pick::Host, Pick::Host, Pick::Host]).unwrap();
+        assert!(all.iter().zip(&rows).all(|(n, r)| matches!(n, Next::Logits(l) if l == r)));
     }
 }

@@ -13,9 +13,12 @@ use mmserve_protocol::{ArenaInfo, Engine, EngineError, EngineInfo, GenerateReque
 use mmserve_text::TextTokenizer;
 use tarpc::context::Context;
 
-use crate::batch::{Batcher, Command, Scheduler};
 use crate::inputs::validate;
+use crate::model_loop::{Command, ModelLoop};
 use crate::outbox::Outbox;
+use crate::output::OutputProcessor;
+use crate::runner::LlamaRunner;
+use crate::scheduler::{SchedStats, Scheduler, SchedulerConfig};
 use crate::{EngineArgs, EngineServiceError};
 
 /// Queue sizes, published by the model thread for `info`.
@@ -46,12 +49,9 @@ impl Counts {
         self.blocks_total.store(blocks_total as u64, Ordering::Relaxed);
     }
 
-    pub fn preempted(&self) {
-        self.preemptions.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn forked(&self) {
-        self.forks.fetch_add(1, Ordering::Relaxed);
+    pub fn set_sched(&self, stats: SchedStats) {
+        self.preemptions.store(stats.preemptions, Ordering::Relaxed);
+        self.forks.store(stats.forks, Ordering::Relaxed);
     }
 
     /// One model step: `prefill` prompt tokens computed, time in the scheduler and in all.
@@ -113,23 +113,23 @@ impl EngineService {
         let counts = Arc::new(Counts::default());
         // Bounded: a flood of submissions waits here instead of growing without limit.
         let (tx, rx) = std::sync::mpsc::sync_channel(1024);
-        let batcher = Batcher {
-            model,
-            tokenizer,
-            arena: crate::inputs::ModelArena::new(view.clone(), &placement.device)
-                .map_err(EngineServiceError::Cache)?,
-            outbox: outbox.clone(),
-            sched: Scheduler {
-                kv: paged,
-                blocks,
-                max_running: args.max_running_requests.max(1),
-                chunked_prefill_size: kv.chunked_prefill_size.max(1),
+        let arena =
+            crate::inputs::ModelArena::new(view.clone(), &placement.device).map_err(EngineServiceError::Cache)?;
+        let sched = Scheduler::new(
+            blocks,
+            SchedulerConfig {
+                max_running: args.max_running_requests,
+                chunked_prefill_size: kv.chunked_prefill_size,
                 expected_output: kv.expected_output_tokens,
-                lengths: Default::default(),
             },
+        );
+        let model_loop = ModelLoop {
+            runner: LlamaRunner { model, kv: paged, arena },
+            sched,
+            output: OutputProcessor { tokenizer, outbox: outbox.clone() },
             counts: counts.clone(),
         };
-        mmserve_protocol::ready::spawn_vital("engine-model", move || batcher.run(rx))
+        mmserve_protocol::ready::spawn_vital("engine-model", move || model_loop.run(rx))
             .expect("spawning the model thread");
         Ok(EngineService {
             commands: Arc::new(Mutex::new(Some(tx))),

@@ -1,8 +1,9 @@
-//! The model thread driven step by step with the tiny fixture LM: randomised
-//! scheduling (lengths, `max_tokens`, aborts, preemptions, sibling choices), prefix-cache
-//! invariance of the logits, and prompt sharing between choices.
+//! The model loop driven step by step with the tiny fixture LM: its wiring under random
+//! load (the scheduler's own randomised tests run without a model, in
+//! `scheduler/tests.rs`), prefix-cache invariance of the logits, prompt sharing between
+//! choices, and seeded sampling that does not depend on the batch.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -14,11 +15,13 @@ use mmserve_protocol::{ArenaDtype, ArenaInfo, FinishReason, GenerateRequest, Out
 use mmserve_shm::Segment;
 use mmserve_text::TextTokenizer;
 
-use super::{Batcher, Command, Scheduler, Sequence};
-use crate::admission::OutputLengths;
+use super::{Command, ModelLoop};
 use crate::kv::BlockManager;
 use crate::outbox::Outbox;
+use crate::output::OutputProcessor;
+use crate::runner::LlamaRunner;
 use crate::sampler::Rng;
+use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::service::Counts;
 
 const CLIENT: u64 = 7;
@@ -30,10 +33,7 @@ fn model_dir() -> ModelDir {
 
 /// A model thread without its thread: the test calls `tick` for each step.
 struct Harness {
-    b: Batcher,
-    waiting: VecDeque<Sequence>,
-    running: Vec<Sequence>,
-    order: u64,
+    l: ModelLoop<LlamaRunner>,
     /// The (unused) arenas that text-only requests never read; unlinked on drop.
     _arenas: (Segment, Segment),
 }
@@ -68,58 +68,51 @@ impl Harness {
         };
         let arena = ArenaView::open(&info).expect("view");
         let kv = PagedKv::new(&model, s.num_blocks, s.block_size, DType::F32).expect("pool");
-        let b = Batcher {
-            model,
-            tokenizer,
-            arena: crate::inputs::ModelArena::new(std::sync::Arc::new(arena), &Device::Cpu).expect("arena"),
-            outbox: Arc::new(Outbox::default()),
-            sched: Scheduler {
-                kv,
-                blocks: BlockManager::new(s.num_blocks, s.block_size).expect("blocks"),
+        let sched = Scheduler::new(
+            BlockManager::new(s.num_blocks, s.block_size).expect("blocks"),
+            SchedulerConfig {
                 max_running: s.max_running,
                 chunked_prefill_size: s.chunk,
                 expected_output: s.expected_output,
-                lengths: OutputLengths::new(),
             },
+        );
+        let l = ModelLoop {
+            runner: LlamaRunner {
+                model,
+                kv,
+                arena: crate::inputs::ModelArena::new(Arc::new(arena), &Device::Cpu).expect("arena"),
+            },
+            sched,
+            output: OutputProcessor { tokenizer, outbox: Arc::new(Outbox::default()) },
             counts: Arc::new(Counts::default()),
         };
-        Harness { b, waiting: VecDeque::new(), running: Vec::new(), order: 0, _arenas: (embed, data) }
+        Harness { l, _arenas: (embed, data) }
     }
 
     fn submit(&mut self, req: GenerateRequest) {
-        self.b.apply(Command::Submit(vec![req]), &mut self.waiting, &mut self.running);
+        self.l.apply(Command::Submit(vec![req]));
     }
 
     fn abort(&mut self, id: u64) {
-        self.b.apply(Command::Abort(id), &mut self.waiting, &mut self.running);
+        self.l.apply(Command::Abort(id));
     }
 
     /// One iteration of the model loop, then the block manager's invariants.
     fn tick(&mut self) {
-        self.b.admit(&mut self.waiting, &mut self.running, &mut self.order);
-        assert!(self.running.len() <= self.b.sched.max_running, "more running than --max-running-requests");
-        if !self.running.is_empty() {
-            self.b.step(&mut self.running, &mut self.waiting, &mut self.order, Default::default());
-        }
-        let blocks = &self.b.sched.blocks;
-        blocks.check().unwrap_or_else(|e| panic!("block manager: {e}"));
-        let held: usize =
-            self.running.iter().filter_map(|s| s.kv).map(|id| blocks.block_table(id).unwrap().len()).sum();
-        assert!(blocks.num_used_blocks() <= blocks.num_blocks());
-        assert!(
-            held >= blocks.num_used_blocks(),
-            "blocks in use ({}) that no running sequence holds ({held})",
-            blocks.num_used_blocks()
-        );
-        assert!(self.waiting.iter().all(|s| s.kv.is_none()), "a waiting sequence holds blocks");
+        self.l.step();
+        self.l.sched.blocks().check().unwrap_or_else(|e| panic!("block manager: {e}"));
     }
 
     fn idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty()
+        self.l.sched.is_idle()
     }
 
     fn events(&self) -> Vec<OutputEvent> {
-        self.b.outbox.drain(CLIENT)
+        self.l.output.outbox.drain(CLIENT)
+    }
+
+    fn stats(&self) -> crate::scheduler::SchedStats {
+        self.l.sched.stats()
     }
 
     /// Ticks until idle (at most `max_steps`), collecting events per request.
@@ -163,9 +156,9 @@ fn finishes(log: &HashMap<u64, Vec<OutputEvent>>) -> HashMap<u64, FinishReason> 
 }
 
 #[test]
-fn randomised_scheduling_loses_nothing_and_frees_every_block() {
+fn random_load_through_the_model_loses_nothing_and_frees_every_block() {
     let (mut preemptions, mut forks) = (0, 0);
-    for seed in 0..6u64 {
+    for seed in 0..3u64 {
         let mut rng = Rng::new(seed);
         // A pool of 24 blocks of 4 tokens: far less than the load, so admission waits,
         // estimates overshoot and preemption happens.
@@ -230,11 +223,11 @@ fn randomised_scheduling_loses_nothing_and_frees_every_block() {
                 other => panic!("seed {seed}: request {id} ended with {other:?}"),
             }
         }
-        let blocks = &h.b.sched.blocks;
+        let blocks = h.l.sched.blocks();
         assert_eq!(blocks.num_used_blocks(), 0, "seed {seed}: blocks still held");
         assert_eq!(blocks.num_seqs(), 0, "seed {seed}: sequences still registered");
-        preemptions += h.b.counts.preemptions.load(Ordering::Relaxed);
-        forks += h.b.counts.forks.load(Ordering::Relaxed);
+        preemptions += h.stats().preemptions;
+        forks += h.stats().forks;
     }
     assert!(preemptions > 0, "the pool was never exhausted: the test does not exercise preemption");
     assert!(forks > 0, "no sibling choice forked: the test does not exercise sharing");
@@ -255,9 +248,9 @@ fn a_prefix_cache_hit_gives_the_same_logits() {
     let prompt = random_prompt(&mut rng, 45);
     let mut h = Harness::new(Setup { num_blocks: 64, block_size: 8, chunk: 16, max_running: 4, expected_output: None });
     let cold = logprob_rows(&mut h, 1, &prompt);
-    let hits_before = h.b.sched.blocks.stats().hit_tokens;
+    let hits_before = h.l.sched.blocks().stats().hit_tokens;
     let warm = logprob_rows(&mut h, 2, &prompt);
-    assert_eq!(h.b.sched.blocks.stats().hit_tokens - hits_before, 40, "the second run should reuse 5 full blocks");
+    assert_eq!(h.l.sched.blocks().stats().hit_tokens - hits_before, 40, "the second run should reuse 5 full blocks");
     assert_eq!(cold.len(), 6);
     assert_eq!(cold.len(), warm.len());
     for (step, (a, b)) in cold.iter().zip(&warm).enumerate() {
@@ -282,9 +275,9 @@ fn sibling_choices_prefill_the_prompt_once() {
     }
     let mut log = HashMap::new();
     h.run(100, &mut log);
-    let counts = &h.b.counts;
-    assert_eq!(counts.prefill_tokens.load(Ordering::Relaxed), 30, "the prompt is computed once for 4 choices");
-    assert_eq!(counts.forks.load(Ordering::Relaxed), 3);
+    let prefilled = h.l.counts.prefill_tokens.load(Ordering::Relaxed);
+    assert_eq!(prefilled, 30, "the prompt is computed once for 4 choices");
+    assert_eq!(h.stats().forks, 3);
     let ends = finishes(&log);
     assert!((10..14).all(|id| ends[&id] == FinishReason::Length));
     // Each choice's tokens are those of the same seed run alone.
@@ -299,7 +292,7 @@ fn sibling_choices_prefill_the_prompt_once() {
     }
     // A sibling arriving after its leader started decoding runs on its own, reusing the
     // prompt's full blocks through the prefix cache.
-    let hits = h.b.sched.blocks.stats().hit_tokens;
+    let hits = h.l.sched.blocks().stats().hit_tokens;
     h.submit(request(20, prompt.clone(), params.clone()));
     h.tick();
     h.tick();
@@ -307,60 +300,9 @@ fn sibling_choices_prefill_the_prompt_once() {
     late.sibling_of = Some(20);
     h.submit(late);
     h.run(100, &mut log);
-    assert_eq!(h.b.counts.forks.load(Ordering::Relaxed), 3);
-    assert!(h.b.sched.blocks.stats().hit_tokens - hits >= 24 * 2);
-    assert_eq!(h.b.sched.blocks.num_used_blocks(), 0);
-}
-
-#[test]
-fn aborting_a_leader_lets_its_parked_siblings_run() {
-    let prompt = random_prompt(&mut Rng::new(3), 20);
-    let mut h = Harness::new(Setup { num_blocks: 64, block_size: 8, chunk: 4, max_running: 8, expected_output: None });
-    for i in 0..3u64 {
-        let mut req = request(30 + i, prompt.clone(), greedy(3));
-        req.sibling_of = (i > 0).then_some(30);
-        h.submit(req);
-    }
-    h.tick(); // the leader's first chunk; its siblings wait parked in it
-    assert_eq!(h.running.len(), 1);
-    assert_eq!(h.running[0].followers.len(), 2);
-    h.abort(30);
-    let mut log = HashMap::new();
-    h.run(100, &mut log);
-    let ends = finishes(&log);
-    assert_eq!(ends[&30], FinishReason::Abort);
-    assert_ne!(ends[&31], FinishReason::Abort);
-    assert_ne!(ends[&32], FinishReason::Abort);
-    assert_eq!(h.b.sched.blocks.num_used_blocks(), 0);
-}
-
-#[test]
-fn admission_estimates_output_from_recent_requests_when_not_busy() {
-    let mut h =
-        Harness::new(Setup { num_blocks: 40, block_size: 4, chunk: 64, max_running: 16, expected_output: None });
-    assert_eq!(h.b.expected_output(), None, "no history yet: the full max_tokens");
-    for len in [3u64, 4, 5, 5, 6, 6, 6, 7, 8, 20] {
-        h.b.sched.lengths.record(len);
-    }
-    assert_eq!(h.b.expected_output(), Some(8));
-    // Prompts of 8 with max_tokens 64: alone each needs 72 + 3 slots, the pool holds 160;
-    // with the estimate of 8 several fit at once.
-    for id in 0..6u64 {
-        h.submit(request(100 + id, random_prompt(&mut Rng::new(id), 8), greedy(64)));
-    }
-    h.tick();
-    assert!(h.running.len() >= 4, "estimate not used: {} admitted", h.running.len());
-    // Busy (most blocks in use): the estimate is off.
-    let mut held = Vec::new();
-    while (h.b.sched.blocks.num_used_blocks() as f64) < 0.85 * 40.0 {
-        let (id, _) = h.b.sched.blocks.new_seq(&[]);
-        h.b.sched.blocks.allocate(id, 4).expect("room");
-        held.push(id);
-    }
-    assert_eq!(h.b.expected_output(), None);
-    for id in held {
-        h.b.sched.blocks.free(id).expect("free");
-    }
+    assert_eq!(h.stats().forks, 3);
+    assert!(h.l.sched.blocks().stats().hit_tokens - hits >= 24 * 2);
+    assert_eq!(h.l.sched.blocks().num_used_blocks(), 0);
 }
 
 #[test]
@@ -398,20 +340,4 @@ fn a_seeded_request_samples_the_same_alone_or_among_others() {
     crowd.run(500, &mut log);
     assert_eq!(ids(&log[&1]), want);
     assert_eq!(want.len(), 12);
-}
-
-#[test]
-fn device_picks_send_ids_host_picks_whole_rows() {
-    use super::Pick;
-    use crate::sampler::Next;
-    let rows = [[0.0f32, 3.0, 1.0, 3.0], [5.0, -1.0, 0.0, 2.0], [-2.0, -1.0, -3.0, -0.5], [0.0, 0.0, 9.0, 0.0]];
-    let logits = candle_core::Tensor::new(&rows, &Device::Cpu).unwrap();
-    let draw = mmserve_models::SampleSettings { temperature: 1.0, top_k: 1, min_p: 0.0, top_p: 1.0, u: 0.5 };
-    let next = super::next_tokens(&logits, &[Pick::Argmax, Pick::Host, Pick::Argmax, Pick::Draw(draw)]).unwrap();
-    assert!(matches!(next[0], Next::Greedy(1)), "first of tied maxima, as torch.argmax: {:?}", next[0]);
-    assert!(matches!(&next[1], Next::Logits(r) if r == &rows[1]), "{:?}", next[1]);
-    assert!(matches!(next[2], Next::Greedy(3)), "{:?}", next[2]);
-    assert!(matches!(next[3], Next::Sampled(2)), "top-1 of its own row: {:?}", next[3]);
-    let all = super::next_tokens(&logits, &[Pick::Host, Pick::Host, Pick::Host, Pick::Host]).unwrap();
-    assert!(all.iter().zip(&rows).all(|(n, r)| matches!(n, Next::Logits(l) if l == r)));
 }

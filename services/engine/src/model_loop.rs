@@ -1,0 +1,201 @@
+//! The model thread: continuous batching, wired from four parts. Each step applies
+//! commands (an abort frees the request's blocks at once), lets the [`Scheduler`] plan,
+//! runs the plan on the [`ModelRunner`], lets the [`sampler`](crate::sampler) choose
+//! each fully computed sequence's next token (where the logits are, when it can), and
+//! hands it to the [`OutputProcessor`]. Parked sibling choices fork from their leader
+//! when its prompt is computed and sample from the same logits.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+
+use mmserve_arena::ArenaView;
+use mmserve_protocol::{FinishReason, GenerateRequest};
+
+use crate::output::{Detok, OutputProcessor};
+use crate::runner::{Batch, BatchSeq, ModelRunner};
+use crate::sampler::{Next, Pick, SamplingState, next_tokens, pick};
+use crate::scheduler::{Planned, Scheduler, Seq};
+use crate::service::Counts;
+
+pub enum Command {
+    /// One request's choices, in order.
+    Submit(Vec<GenerateRequest>),
+    Abort(u64),
+    /// The embed cache restarted: read rows from its new arenas from now on.
+    Remap(Arc<ArenaView>),
+}
+
+/// What the loop keeps per sequence beside the scheduler's bookkeeping.
+pub struct SeqState {
+    pub sampling: SamplingState,
+    pub detok: Detok,
+}
+
+pub struct ModelLoop<R> {
+    pub runner: R,
+    pub sched: Scheduler<SeqState>,
+    pub output: OutputProcessor,
+    pub counts: Arc<Counts>,
+}
+
+fn restarted() -> FinishReason {
+    FinishReason::Retry("the embed cache restarted; retry the request".into())
+}
+
+impl<R: ModelRunner> ModelLoop<R> {
+    /// Runs until the command channel closes.
+    pub fn run(mut self, commands: Receiver<Command>) {
+        self.publish();
+        loop {
+            // Idle: block until there is work (a notification, not a poll).
+            if self.sched.is_idle() {
+                match commands.recv() {
+                    Ok(cmd) => self.apply(cmd),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match commands.try_recv() {
+                    Ok(cmd) => self.apply(cmd),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            }
+            self.step();
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let (s, b) = (&self.sched, self.sched.blocks());
+        self.counts.set(s.running().len(), s.num_waiting());
+        self.counts.set_kv(b.stats().hit_tokens, b.num_used_blocks(), b.num_blocks());
+        self.counts.set_sched(s.stats());
+    }
+
+    pub fn apply(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(choices) => {
+                for req in choices {
+                    // Submitted against arenas that a Remap has since replaced: cannot run.
+                    if !req.items.is_empty() && req.cache_instance != self.runner.arena_instance() {
+                        self.output.finish(&req, restarted());
+                        continue;
+                    }
+                    let sampling = SamplingState::new(&req, self.runner.vocab_size(), self.output.tokenizer.eos_ids());
+                    let detok = Detok::new(&req);
+                    self.sched.submit(Seq::new(req, SeqState { sampling, detok }));
+                }
+            }
+            Command::Remap(view) => {
+                // On failure, requests for the new arenas finish with a retry (instance differs).
+                if let Err(e) = self.runner.remap(view) {
+                    tracing::error!(error = %e, "mapping the embed cache's new arenas");
+                }
+                // Requests with prompt rows still to read refer to the old arenas: they cannot run.
+                let instance = self.runner.arena_instance();
+                let stale = self.sched.remove_where(|s| {
+                    !s.req.items.is_empty() && s.req.cache_instance != instance && s.computed() < s.req.prompt_ids.len()
+                });
+                for seq in stale.into_iter().flat_map(Seq::into_group) {
+                    self.output.finish(&seq.req, restarted());
+                }
+            }
+            Command::Abort(id) => {
+                if let Some(seq) = self.sched.abort(id) {
+                    self.output.finish(&seq.req, FinishReason::Abort);
+                }
+            }
+        }
+    }
+
+    /// One scheduled forward, then sampling and events.
+    pub fn step(&mut self) {
+        let t0 = Instant::now();
+        let step = self.sched.schedule();
+        for seq in step.rejected {
+            let why = "the request needs more KV cache than --kv-cache-memory holds";
+            self.output.finish(&seq.req, FinishReason::Error(why.into()));
+        }
+        let plan = step.plan;
+        let schedule_time = t0.elapsed();
+        if plan.is_empty() {
+            return;
+        }
+        let running = self.sched.running();
+        let prefill: usize = plan
+            .iter()
+            .map(|p| p.n.min(running[p.index].req.prompt_ids.len().saturating_sub(running[p.index].computed())))
+            .sum();
+        let next = match self.forward(&plan) {
+            Ok(next) => next,
+            Err(message) => {
+                tracing::error!("forward step failed: {message}");
+                for seq in self.sched.drain_running().into_iter().flat_map(Seq::into_group) {
+                    self.output.finish(&seq.req, FinishReason::Error(message.clone()));
+                }
+                return;
+            }
+        };
+        let mut finished = Vec::new();
+        for (planned, next) in plan.iter().zip(next) {
+            if !self.sched.advance(planned) {
+                continue; // a prefill chunk short of the prompt's end
+            }
+            for f in self.sched.fork_followers(planned.index) {
+                if self.emit(f, next.clone()) {
+                    finished.push(f);
+                }
+            }
+            if self.emit(planned.index, next) {
+                finished.push(planned.index);
+            }
+        }
+        self.sched.finish(finished);
+        self.counts.stepped(prefill, schedule_time, t0.elapsed());
+    }
+
+    /// The plan on the runner, then where each row's next token comes from.
+    fn forward(&mut self, plan: &[Planned]) -> Result<Vec<Next>, String> {
+        let running = self.sched.running();
+        let mut batch = Batch { seqs: Vec::with_capacity(plan.len()), copies: Vec::new() };
+        for p in plan {
+            let seq = &running[p.index];
+            batch.seqs.push(BatchSeq {
+                prompt_ids: &seq.req.prompt_ids,
+                items: &seq.req.items,
+                output: &seq.output,
+                start: seq.computed(),
+                n: p.n,
+                block_table: self.sched.block_table(p.index)?,
+            });
+            batch.copies.extend(p.copy);
+        }
+        let on_device = self.runner.samples_on_device();
+        let picks: Vec<Pick> = plan
+            .iter()
+            .map(|p| {
+                let s = &running[p.index];
+                let emits = s.computed() + p.n >= s.num_tokens();
+                let siblings = s.followers().iter().map(|f| (&f.req.params, &f.state.sampling));
+                pick(&s.req.params, &s.state.sampling, siblings, emits, on_device)
+            })
+            .collect();
+        let logits = self.runner.forward(&batch)?;
+        next_tokens(&logits, &picks).map_err(|e| e.to_string())
+    }
+
+    /// Chooses running sequence `index`'s next token from `next` and publishes it.
+    /// Returns whether the sequence finished.
+    fn emit(&mut self, index: usize, next: Next) -> bool {
+        let seq = &mut self.sched.running_mut()[index];
+        let (token, logprobs) = seq.state.sampling.choose(&seq.req.params, next);
+        seq.output.push(token);
+        let stop_token = seq.state.sampling.stop_ids.contains(&token);
+        self.output.token(&seq.req, &mut seq.state.detok, token, logprobs, seq.output.len(), stop_token)
+    }
+}
+
+#[cfg(test)]
+mod tests;
