@@ -16,6 +16,9 @@ pub struct CacheCli {
     /// Print JSON instead of a table.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Longest connect, and longest call, in seconds.
+    #[arg(long, global = true, env = "MMSERVE_CACHE_CLI_TIMEOUT_S", default_value_t = 5)]
+    pub timeout_s: u64,
     #[command(subcommand)]
     pub op: Op,
 }
@@ -44,14 +47,13 @@ pub enum Op {
     },
 }
 
-const TIMEOUT: Duration = Duration::from_secs(5);
-
 pub async fn run(cli: CacheCli) -> anyhow::Result<()> {
+    let timeout = Duration::from_secs(cli.timeout_s.max(1));
     let Some(token) = cli.admin.token()? else {
         bail!("no admin token: pass --admin-token, set MMSERVE_ADMIN_TOKEN or use --admin-token-file");
     };
     let addr = &cli.admin.admin_addr;
-    let transport = tokio::time::timeout(TIMEOUT, tcp::connect(addr, Bincode::default))
+    let transport = tokio::time::timeout(timeout, tcp::connect(addr, Bincode::default))
         .await
         .map_err(|_| anyhow::anyhow!("the embed-cache admin listener at {addr} did not answer within 5 s"))?
         .with_context(|| {
@@ -60,7 +62,7 @@ pub async fn run(cli: CacheCli) -> anyhow::Result<()> {
             )
         })?;
     let client = CacheAdminClient::new(Default::default(), transport).spawn();
-    let ctx = || deadline(TIMEOUT);
+    let ctx = || deadline(timeout);
     let unreachable = |e| anyhow::anyhow!("the embed-cache admin listener at {addr} failed: {e}");
     match cli.op {
         Op::Stats => {

@@ -7,10 +7,15 @@ mod bench;
 mod bench_engine;
 mod bench_model;
 mod cache_cli;
+mod config;
 mod preprocess;
 mod serve;
 
-use clap::{Parser, Subcommand};
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "mmserve", version, about = "A multimodal LLM server: images in, text out")]
@@ -48,7 +53,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let cli = Cli::parse();
+    let (cli, settings) = parse()?;
     keep_freed_memory();
     // The cache decides everything under one lock in microseconds: one thread serves it
     // best (no work stealing, no lock handoffs between threads). The others use all cores.
@@ -61,7 +66,7 @@ fn main() -> anyhow::Result<()> {
     let shutdown = mmserve_protocol::ready::shutdown_signal;
     rt.block_on(async move {
         match cli.command {
-            Command::Serve(args) => serve::run(args).await,
+            Command::Serve(args) => serve::run(args, settings.expect("serve's settings")).await,
             Command::EmbedCache(args) => Ok(mmserve_embed_cache::run(args, shutdown()).await?),
             Command::Encoder(args) => Ok(mmserve_encoder::run(args, shutdown()).await?),
             Command::Engine(args) => Ok(mmserve_engine::run(args, shutdown()).await?),
@@ -71,6 +76,61 @@ fn main() -> anyhow::Result<()> {
             Command::Preprocess(args) => preprocess::run(args),
         }
     })
+}
+
+/// The command line: every service takes `--config FILE`, and `serve` takes every
+/// service's settings too ([`config`]).
+fn command() -> (clap::Command, Vec<clap::Command>) {
+    let mut cmd = Cli::command();
+    for name in config::SECTIONS {
+        cmd = cmd.mut_subcommand(name, |c| {
+            c.arg(config::config_arg(
+                "TOML file of settings: its section named after this command (flags and variables win)",
+            ))
+        });
+    }
+    let children: Vec<clap::Command> =
+        config::SECTIONS.iter().filter_map(|n| cmd.find_subcommand(n).cloned()).collect();
+    let cmd = cmd.mut_subcommand("serve", |s| {
+        let s = s.arg(config::config_arg(
+            "TOML file of settings: [serve] as on this command line, and a section per service ([embed-cache], \
+             [encoder], [engine], [api]); flags and variables win, then the service's section, then [serve]",
+        ));
+        config::with_child_settings(s, &children)
+    });
+    (cmd, children)
+}
+
+/// Parses the command line, with the `--config` file's settings where no flag or
+/// variable gives them.
+fn parse() -> anyhow::Result<(Cli, Option<serve::Settings>)> {
+    let (cmd, children) = command();
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let mut matches = cmd.clone().get_matches_from(&argv);
+    let (mut from_file, mut file) = (HashSet::new(), None);
+    if let Some((name, sub)) = matches.subcommand()
+        && let Ok(Some(path)) = sub.try_get_one::<PathBuf>("config")
+    {
+        let table = config::load(path)?;
+        let sub_cmd = cmd.find_subcommand(name).expect("the matched subcommand");
+        let (flags, ids) = config::file_flags(sub_cmd, sub, &table, name)?;
+        if !flags.is_empty() {
+            matches = cmd.clone().try_get_matches_from(argv.iter().cloned().chain(flags)).unwrap_or_else(|e| e.exit());
+        }
+        (from_file, file) = (ids, Some(table));
+    }
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let settings = match matches.subcommand() {
+        Some(("serve", m)) => Some(serve::Settings {
+            command: cmd.find_subcommand("serve").cloned().expect("serve"),
+            matches: m.clone(),
+            from_file,
+            file,
+            children,
+        }),
+        _ => None,
+    };
+    Ok((cli, settings))
 }
 
 /// Keeps freed buffers in the heap for reuse instead of returning them to the kernel.

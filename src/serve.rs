@@ -1,8 +1,10 @@
-//! `mmserve serve`: starts the four processes in dependency order, waits (with a
-//! timeout) for each one's readiness line, prints the URL, and supervises. On Ctrl-C or
+//! `mmserve serve`: resolves the run's configuration ([`config`]), starts the four
+//! processes in dependency order, each with its section of it, waits (with a timeout)
+//! for each one's readiness line, prints the URL, and supervises. On Ctrl-C or
 //! SIGTERM, or when a child dies, it stops every child and removes every shared-memory
 //! segment and socket of the run.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -13,48 +15,38 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 use tokio::sync::mpsc;
 
+use crate::config;
+
+/// What only `serve` has; every service's settings are added to its command by
+/// [`config::with_child_settings`](crate::config::with_child_settings).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// Hugging Face model directory.
+    /// Hugging Face model directory (every service serves this one).
     #[arg(long, env = "MMSERVE_MODEL", default_value = "assets/models/llava-tiny")]
     pub model: PathBuf,
-    #[arg(long, env = "MMSERVE_HOST", default_value = "127.0.0.1")]
-    pub host: String,
-    /// 0 picks a free port.
-    #[arg(long, env = "MMSERVE_PORT", default_value_t = 8000)]
-    pub port: u16,
     /// Use the embed-cache service at this socket instead of starting one.
     #[arg(long, env = "MMSERVE_EMBED_CACHE_SOCKET")]
     pub embed_cache_socket: Option<PathBuf>,
-    #[command(flatten)]
-    pub cache: mmserve_embed_cache::CapacityArgs,
-    #[command(flatten)]
-    pub admin: mmserve_embed_cache::AdminArgs,
-    #[command(flatten)]
-    pub admin_limits: mmserve_embed_cache::AdminLimitArgs,
-    /// Longest wait in line for embed-cache capacity, in seconds (then 503).
-    #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
-    pub embed_cache_wait_timeout_s: u64,
-    #[command(flatten)]
-    pub media: mmserve_api::MediaArgs,
-    #[command(flatten)]
-    pub load: mmserve_api::LoadArgs,
-    #[command(flatten)]
-    pub prompt: mmserve_api::PromptArgs,
-    /// Most sequences decoding at once.
-    #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
-    pub max_running_requests: usize,
-    #[command(flatten)]
-    pub kv: mmserve_engine::KvArgs,
-    #[command(flatten)]
-    pub placement: mmserve_models::PlacementArgs,
     /// Longest wait for one process to become ready, in seconds.
     #[arg(long, env = "MMSERVE_READY_TIMEOUT_S", default_value_t = 300)]
     pub ready_timeout_s: u64,
+    /// How long a child gets to exit after SIGTERM before SIGKILL, in seconds.
+    #[arg(long, env = "MMSERVE_STOP_GRACE_S", default_value_t = 10)]
+    pub stop_grace_s: u64,
+    /// Print the resolved configuration (a file for --config) and exit.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
-/// How long a child gets to exit after SIGTERM before SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(10);
+/// `serve`'s parsed command line with what resolving the children's settings needs.
+pub struct Settings {
+    pub command: clap::Command,
+    pub matches: clap::ArgMatches,
+    /// Ids that `[serve]` of the `--config` file set.
+    pub from_file: HashSet<String>,
+    pub file: Option<toml::Table>,
+    pub children: Vec<clap::Command>,
+}
 
 struct Running {
     name: &'static str,
@@ -137,12 +129,23 @@ fn process_alive(pid: u32) -> bool {
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
-pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub async fn run(args: ServeArgs, settings: Settings) -> anyhow::Result<()> {
+    let sections =
+        config::resolve_children(&settings.matches, &settings.from_file, settings.file.as_ref(), &settings.children)?;
+    let resolved = config::render(&settings.command, &settings.matches, &sections);
+    if args.print_config {
+        print!("{resolved}");
+        return Ok(());
+    }
+    let admin_token = settings.matches.get_one::<String>("admin_token").cloned();
     let dir = ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
     let paths = RunPaths::new()?;
+    let config_file = paths.dir.join("config.toml");
+    std::fs::write(&config_file, &resolved).with_context(|| format!("writing {}", config_file.display()))?;
     let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, std::io::Result<ExitStatus>)>(8);
     let mut running: Vec<Running> = Vec::new();
-    let started = start_all(&args, &dir, &paths, &exit_tx, &mut running).await;
+    let run = Run { args: &args, dir: &dir, paths: &paths, config_file: &config_file, admin_token };
+    let started = run.start_all(&exit_tx, &mut running).await;
     let mut exited: Vec<&'static str> = Vec::new();
     let outcome = match started {
         Err(e) => Err(e),
@@ -160,7 +163,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             }
         }
     };
-    stop_all(&running, exited, &mut exit_rx).await;
+    stop_all(&running, exited, &mut exit_rx, Duration::from_secs(args.stop_grace_s)).await;
     let removed = mmserve_shm::remove_with_prefix(&paths.shm_prefix);
     if removed > 0 {
         tracing::info!("removed {removed} shared-memory segments left by stopped processes");
@@ -176,109 +179,79 @@ fn describe(status: std::io::Result<ExitStatus>) -> String {
     }
 }
 
-/// Starts the processes in order; returns the api's URL.
-async fn start_all(
-    args: &ServeArgs,
-    dir: &ModelDir,
-    paths: &RunPaths,
-    exit_tx: &mpsc::Sender<(&'static str, std::io::Result<ExitStatus>)>,
-    running: &mut Vec<Running>,
-) -> anyhow::Result<String> {
-    let model = args.model.to_string_lossy().into_owned();
-    let cache_socket = args.embed_cache_socket.clone().unwrap_or_else(|| paths.socket("embed-cache"));
-    let s = |p: &Path| p.to_string_lossy().into_owned();
-    let cap = &args.cache;
-    // Refused here, with the model named, rather than by the cache child's flag parser.
-    let embed_dtype: mmserve_protocol::ArenaDtype =
-        dir.config.dtype().parse().map_err(|e| anyhow::anyhow!("{model}: config.json: {e}"))?;
-    let mut cache_args = vec![
-        "--socket".into(),
-        s(&cache_socket),
-        "--shm-prefix".into(),
-        paths.shm_prefix.clone(),
-        "--embed-dim".into(),
-        dir.config.lm_hidden_size().to_string(),
-        "--embed-dtype".into(),
-        embed_dtype.name().into(),
-        "--embed-cache-size".into(),
-        cap.embed_cache_size.0.to_string(),
-        "--embed-cache-data-size".into(),
-        cap.embed_cache_data_size.0.to_string(),
-        "--embed-cache-items".into(),
-        cap.embed_cache_items.to_string(),
-        "--embed-cache-request-share".into(),
-        cap.embed_cache_request_share.to_string(),
-        "--embed-cache-data-timeout-s".into(),
-        cap.embed_cache_data_timeout_s.to_string(),
-        "--admin-addr".into(),
-        args.admin.admin_addr.clone(),
-    ];
-    cache_args.extend(args.admin_limits.to_args());
-    if let Some(f) = &args.admin.admin_token_file {
-        cache_args.extend(["--admin-token-file".into(), s(f)]);
+/// One run's wiring: what each child gets besides its section of the configuration.
+struct Run<'a> {
+    args: &'a ServeArgs,
+    dir: &'a ModelDir,
+    paths: &'a RunPaths,
+    config_file: &'a Path,
+    admin_token: Option<String>,
+}
+
+impl Run<'_> {
+    /// `--config` and the wiring flags of child `name`.
+    fn child_args(&self, wiring: &[(&str, String)]) -> Vec<String> {
+        let mut a = vec![format!("--config={}", self.config_file.display())];
+        a.extend(wiring.iter().map(|(flag, value)| format!("--{flag}={value}")));
+        a
     }
-    let mut encoder_args = vec![
-        "--socket".into(),
-        s(&paths.socket("encoder")),
-        "--cache-socket".into(),
-        s(&cache_socket),
-        "--model".into(),
-        model.clone(),
-    ];
-    let mut engine_args = vec![
-        "--socket".into(),
-        s(&paths.socket("engine")),
-        "--cache-socket".into(),
-        s(&cache_socket),
-        "--model".into(),
-        model.clone(),
-        "--max-running-requests".into(),
-        args.max_running_requests.to_string(),
-    ];
-    engine_args.extend(args.kv.to_args());
-    encoder_args.extend(args.placement.to_args());
-    engine_args.extend(args.placement.to_args());
-    let mut api_args = vec![
-        "--host".into(),
-        args.host.clone(),
-        "--port".into(),
-        args.port.to_string(),
-        "--model".into(),
-        model,
-        "--cache-socket".into(),
-        s(&cache_socket),
-        "--encoder-socket".into(),
-        s(&paths.socket("encoder")),
-        "--engine-socket".into(),
-        s(&paths.socket("engine")),
-        "--embed-cache-wait-timeout-s".into(),
-        args.embed_cache_wait_timeout_s.to_string(),
-    ];
-    api_args.extend(args.media.to_args());
-    api_args.extend(args.load.to_args());
-    api_args.extend(args.prompt.to_args());
-    let timeout = Duration::from_secs(args.ready_timeout_s);
-    if args.embed_cache_socket.is_none() {
-        // The token travels in the environment, not on the command line (ps shows that).
-        let env: Vec<(&str, String)> =
-            args.admin.admin_token.iter().map(|t| ("MMSERVE_ADMIN_TOKEN", t.clone())).collect();
-        let (admin, cache) = start_one("embed-cache", cache_args, &env, timeout, exit_tx).await?;
-        if !admin.is_empty() {
-            println!("mmserve: embed-cache admin listener at {admin}");
+
+    /// Starts the processes in order; returns the api's URL.
+    async fn start_all(
+        &self,
+        exit_tx: &mpsc::Sender<(&'static str, std::io::Result<ExitStatus>)>,
+        running: &mut Vec<Running>,
+    ) -> anyhow::Result<String> {
+        let (args, paths) = (self.args, self.paths);
+        let model = args.model.to_string_lossy().into_owned();
+        let s = |p: &Path| p.to_string_lossy().into_owned();
+        let cache_socket = s(&args.embed_cache_socket.clone().unwrap_or_else(|| paths.socket("embed-cache")));
+        let (encoder_socket, engine_socket) = (s(&paths.socket("encoder")), s(&paths.socket("engine")));
+        // Refused here, with the model named, rather than by the cache child's flag parser.
+        let embed_dtype: mmserve_protocol::ArenaDtype =
+            self.dir.config.dtype().parse().map_err(|e| anyhow::anyhow!("{model}: config.json: {e}"))?;
+        let timeout = Duration::from_secs(args.ready_timeout_s);
+        if args.embed_cache_socket.is_none() {
+            let cache_args = self.child_args(&[
+                ("socket", cache_socket.clone()),
+                ("shm-prefix", paths.shm_prefix.clone()),
+                ("embed-dim", self.dir.config.lm_hidden_size().to_string()),
+                ("embed-dtype", embed_dtype.name().into()),
+            ]);
+            // The token travels in the environment, not on the command line (ps shows that).
+            let env: Vec<(&str, String)> =
+                self.admin_token.iter().map(|t| ("MMSERVE_ADMIN_TOKEN", t.clone())).collect();
+            let (admin, cache) = start_one("embed-cache", cache_args, &env, timeout, exit_tx).await?;
+            if !admin.is_empty() {
+                println!("mmserve: embed-cache admin listener at {admin}");
+            }
+            running.push(cache);
         }
-        running.push(cache);
+        let tower = |socket: &str| {
+            self.child_args(&[
+                ("socket", socket.into()),
+                ("cache-socket", cache_socket.clone()),
+                ("model", model.clone()),
+            ])
+        };
+        // The encoder and the engine load their weights at the same time.
+        let (encoder, engine) = tokio::join!(
+            start_one("encoder", tower(&encoder_socket), &[], timeout, exit_tx),
+            start_one("engine", tower(&engine_socket), &[], timeout, exit_tx)
+        );
+        let (encoder, engine) = (encoder.map(|r| running.push(r.1)), engine.map(|r| running.push(r.1)));
+        encoder?;
+        engine?;
+        let api_args = self.child_args(&[
+            ("model", model.clone()),
+            ("cache-socket", cache_socket.clone()),
+            ("encoder-socket", encoder_socket),
+            ("engine-socket", engine_socket),
+        ]);
+        let (url, api) = start_one("api", api_args, &[], timeout, exit_tx).await?;
+        running.push(api);
+        Ok(url)
     }
-    // The encoder and the engine load their weights at the same time.
-    let (encoder, engine) = tokio::join!(
-        start_one("encoder", encoder_args, &[], timeout, exit_tx),
-        start_one("engine", engine_args, &[], timeout, exit_tx)
-    );
-    let (encoder, engine) = (encoder.map(|r| running.push(r.1)), engine.map(|r| running.push(r.1)));
-    encoder?;
-    engine?;
-    let (url, api) = start_one("api", api_args, &[], timeout, exit_tx).await?;
-    running.push(api);
-    Ok(url)
 }
 
 /// Spawns `mmserve <name> <args>` and waits for its readiness line; returns the line's
@@ -293,8 +266,13 @@ async fn start_one(
     let exe = std::env::current_exe().context("locating the mmserve binary")?;
     let mut cmd = Command::new(exe);
     cmd.arg(name).args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    // Children get their settings as flags; a token only from here.
-    cmd.env_remove("MMSERVE_ADMIN_TOKEN");
+    // A child's settings are its section of the run's file, whole: no variable of ours
+    // (but the log filter) reaches it, and a token only from here.
+    for (key, _) in std::env::vars_os() {
+        if key.to_str().is_some_and(|k| k.starts_with("MMSERVE_") && k != "MMSERVE_LOG") {
+            cmd.env_remove(key);
+        }
+    }
     cmd.envs(env.iter().map(|(k, v)| (k, v)));
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it asks the
     // kernel to SIGTERM the child when `serve` dies, so no child outlives a killed supervisor.
@@ -357,13 +335,14 @@ async fn stop_all(
     running: &[Running],
     mut gone: Vec<&'static str>,
     exits: &mut mpsc::Receiver<(&'static str, std::io::Result<ExitStatus>)>,
+    grace: Duration,
 ) {
     for r in running.iter().rev() {
         if gone.contains(&r.name) {
             continue;
         }
         signal(r.pid, libc::SIGTERM);
-        let deadline = tokio::time::Instant::now() + STOP_GRACE;
+        let deadline = tokio::time::Instant::now() + grace;
         loop {
             match tokio::time::timeout_at(deadline, exits.recv()).await {
                 Ok(Some((name, _))) => {

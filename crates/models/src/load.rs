@@ -177,13 +177,6 @@ impl PlacementArgs {
         let dtype = resolve_dtype(&self.dtype, dir.config.dtype(), &device)?;
         Ok(Placement { format: self.load_format, device, dtype })
     }
-
-    /// The same settings as flags, for a child process.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec![format!("--dtype={}", self.dtype), format!("--load-format={}", self.load_format)];
-        a.extend(self.device.iter().map(|d| format!("--device={d}")));
-        a
-    }
 }
 
 /// `--dtype`: `auto` takes the checkpoint's dtype (`config.json`) on a GPU and float32

@@ -20,10 +20,6 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 use crate::cache::{Allocation, CacheOp, CacheOpResult};
 use crate::{AllocItem, CacheError, EmbedCacheClient, RpcFailure, deadline, transport};
 
-/// How long one reconnection attempt may take.
-const RECONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Deadline of one coalesced call (it never waits in the cache's line).
-const BATCH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most operations in one coalesced call.
 const MAX_BATCH: usize = 256;
 /// How often a lease's release is sent before it is given up (the connection is then
@@ -84,13 +80,17 @@ impl Drop for Lease {
 struct Link {
     path: PathBuf,
     client: Mutex<Option<EmbedCacheClient>>,
+    /// Longest (re)connection, and deadline of one coalesced call (which never waits in
+    /// the cache's line).
+    timeout: Duration,
 }
 
 impl CacheConnection {
-    /// Connects now (failing if the cache is not there).
+    /// Connects now (failing if the cache is not there). `timeout` bounds this and every
+    /// later reconnection, and each coalesced call.
     pub async fn connect(path: &Path, timeout: Duration) -> std::io::Result<Self> {
         let client = Link::open(path, timeout).await?;
-        let link = Arc::new(Link { path: path.to_path_buf(), client: Mutex::new(Some(client)) });
+        let link = Arc::new(Link { path: path.to_path_buf(), client: Mutex::new(Some(client)), timeout });
         let (ops, rx) = mpsc::unbounded_channel();
         tokio::spawn(coalesce(link.clone(), rx));
         Ok(CacheConnection { link, ops, next_lease: AtomicU64::new(1) })
@@ -127,7 +127,7 @@ impl CacheConnection {
     ) -> Result<Result<Allocation, CacheError>, RpcFailure> {
         // Until the answer is in, the alloc may still reach the cache (the wait, plus
         // the deadline of the call, plus one coalesced call queued ahead of it).
-        lease.state = LeaseState::InFlight(wait + rpc_timeout + BATCH_TIMEOUT);
+        lease.state = LeaseState::InFlight(wait + rpc_timeout + self.link.timeout);
         let lease_id = lease.id;
         let outcome = match self.op(CacheOp::Alloc { lease: lease_id, items: items.clone() }).await {
             Ok(CacheOpResult::Allocated(a)) => Ok(Ok(a)),
@@ -183,7 +183,7 @@ impl Link {
         if let Some(c) = guard.as_ref() {
             return Ok(c.clone());
         }
-        let c = Self::open(&self.path, RECONNECT_TIMEOUT)
+        let c = Self::open(&self.path, self.timeout)
             .await
             .map_err(|e| RpcFailure { service: "embed cache", reason: format!("reconnecting: {e}") })?;
         *guard = Some(c.clone());
@@ -247,7 +247,8 @@ async fn coalesce(link: Arc<Link>, mut rx: mpsc::UnboundedReceiver<(CacheOp, Opt
             ops.push(op);
         }
         let n = ops.len();
-        let outcome = link.call(|c| async move { c.batch(deadline(BATCH_TIMEOUT), ops).await }).await;
+        let t = link.timeout;
+        let outcome = link.call(|c| async move { c.batch(deadline(t), ops).await }).await;
         let results: Vec<Result<CacheOpResult, RpcFailure>> = match outcome {
             Ok(results) if results.len() == n => results.into_iter().map(Ok).collect(),
             Ok(results) => {

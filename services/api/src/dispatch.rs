@@ -9,9 +9,6 @@ use std::time::Duration;
 use mmserve_protocol::{EngineClient, FinishReason, OutputEvent, deadline};
 use tokio::sync::mpsc;
 
-/// How long one long poll may wait on the engine side.
-const POLL_WAIT: Duration = Duration::from_secs(5);
-
 #[derive(Default)]
 pub struct Dispatcher {
     routes: Mutex<HashMap<u64, mpsc::UnboundedSender<OutputEvent>>>,
@@ -59,14 +56,12 @@ impl Dispatcher {
         }
     }
 
-    /// Polls forever. When the engine fails, the requests in flight fail and polling
-    /// resumes after a pause (the supervisor stops everything if the engine is gone).
-    pub async fn run(&self, engine: EngineClient, client: u64) {
+    /// Polls forever, each long poll waiting at most `poll` on the engine side (and
+    /// `poll + rpc` in all). When the engine fails, the requests in flight fail and
+    /// polling resumes after a pause (the supervisor stops everything if the engine is gone).
+    pub async fn run(&self, engine: EngineClient, client: u64, poll: Duration, rpc: Duration) {
         loop {
-            match engine
-                .next_events(deadline(POLL_WAIT + Duration::from_secs(5)), client, POLL_WAIT.as_millis() as u64)
-                .await
-            {
+            match engine.next_events(deadline(poll + rpc), client, poll.as_millis() as u64).await {
                 Ok(events) => self.route(events),
                 Err(e) => {
                     tracing::error!("engine event poll failed: {e}");

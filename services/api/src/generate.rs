@@ -216,7 +216,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
     let ids = {
         // Moved, not copied: a prompt's text may be megabytes.
         let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages, parsed.text_bytes);
-        cpu::run(&state.limits.cpu_slots, "tokenizing prompts", move || {
+        cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
             if let Some(marks) = &st.literal_marks {
                 mark_literal(&mut messages, marks, &st.tokenizer);
             }

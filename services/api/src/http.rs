@@ -15,17 +15,16 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
-/// How long open connections get to finish at shutdown.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// How long open connections get to finish at shutdown.
+    pub shutdown_grace: Duration,
 }
 
 /// Serves `app` until `shutdown` resolves, then lets open connections finish their
-/// requests (at most [`SHUTDOWN_GRACE`]).
+/// requests (at most `limits.shutdown_grace`).
 pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutdown: impl Future<Output = ()>) {
     let max = limits.max_connections.clamp(1, u32::MAX as usize);
     let places = Arc::new(Semaphore::new(max));
@@ -61,6 +60,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutd
         }
         let service = TowerToHyperService::new(app.clone());
         let mut stop = stop_rx.clone();
+        let grace = limits.shutdown_grace;
         tokio::spawn(async move {
             let _place = place;
             let conn = http1::Builder::new()
@@ -72,7 +72,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutd
                 _ = conn.as_mut() => {}
                 _ = async { stop.wait_for(|&s| s).await.map(drop) } => {
                     conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(SHUTDOWN_GRACE, conn).await;
+                    let _ = tokio::time::timeout(grace, conn).await;
                 }
             }
         });
@@ -80,5 +80,5 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutd
     drop(listener);
     let _ = stop_tx.send(true);
     // Every connection gives its place back when it ends.
-    let _ = tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), places.acquire_many(max as u32)).await;
+    let _ = tokio::time::timeout(limits.shutdown_grace * 2, places.acquire_many(max as u32)).await;
 }

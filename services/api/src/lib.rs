@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mmserve_arena::ArenaMap;
+use mmserve_arena::{ArenaMap, ByteSize};
 use mmserve_config::{ModelConfig, ModelDir};
 use mmserve_media::audio::{AudioLimits, WhisperFeatureExtractor};
 use mmserve_media::{ImageLimits, ImageProcessor};
@@ -59,24 +59,61 @@ pub struct ApiArgs {
     pub load: LoadArgs,
     #[command(flatten)]
     pub prompt: PromptArgs,
-    /// Longest wait in line for embed-cache capacity, in seconds (then 503).
+    #[command(flatten)]
+    pub timeouts: TimeoutArgs,
+}
+
+/// Every wait of the api process, in seconds.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TimeoutArgs {
+    /// Longest wait in line for embed-cache capacity (then 503).
     #[arg(long, env = "MMSERVE_EMBED_CACHE_WAIT_TIMEOUT_S", default_value_t = 30)]
     pub embed_cache_wait_timeout_s: u64,
-    /// Longest wait for the next token of a running request, in seconds.
+    /// Longest wait for the next token of a running request (then 503).
     #[arg(long, env = "MMSERVE_TOKEN_TIMEOUT_S", default_value_t = 120)]
     pub token_timeout_s: u64,
+    /// Longest wait for a request's media to be encoded (the encoder's own limit per
+    /// item is `--encoder-timeout-ms`).
+    #[arg(long, env = "MMSERVE_ENCODE_TIMEOUT_S", default_value_t = 300)]
+    pub encode_timeout_s: u64,
+    /// Longest connect to a sibling service at start, first call included.
+    #[arg(long, env = "MMSERVE_CONNECT_TIMEOUT_S", default_value_t = 10)]
+    pub connect_timeout_s: u64,
+    /// Longest call to the embed cache or the engine.
+    #[arg(long, env = "MMSERVE_RPC_TIMEOUT_S", default_value_t = 10)]
+    pub rpc_timeout_s: u64,
+    /// Longest wait for a place in the CPU pool (media checks, prompt rendering); then 503.
+    #[arg(long, env = "MMSERVE_CPU_WAIT_TIMEOUT_S", default_value_t = 30)]
+    pub cpu_wait_timeout_s: u64,
+    /// Longest check of one sibling service by `/health` and `/metrics`.
+    #[arg(long, env = "MMSERVE_HEALTH_TIMEOUT_S", default_value_t = 2)]
+    pub health_timeout_s: u64,
+    /// Longest long poll for the engine's events (a token is forwarded as soon as it
+    /// exists; this only bounds an idle poll).
+    #[arg(long, env = "MMSERVE_ENGINE_POLL_S", default_value_t = 5)]
+    pub engine_poll_s: u64,
+    /// Between keep-alive comments on a quiet event stream.
+    #[arg(long, env = "MMSERVE_SSE_KEEP_ALIVE_S", default_value_t = 15)]
+    pub sse_keep_alive_s: u64,
+    /// How long open connections get to finish their requests at shutdown.
+    #[arg(long, env = "MMSERVE_SHUTDOWN_GRACE_S", default_value_t = 5)]
+    pub shutdown_grace_s: u64,
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s.max(1))
 }
 
 /// Limits and fetching rules for requests and their media (also flags of `serve`,
 /// which hands them to the api process).
 #[derive(Debug, Clone, clap::Args)]
 pub struct MediaArgs {
-    /// Largest request body in bytes (413 above it).
-    #[arg(long, env = "MMSERVE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
-    pub max_body_bytes: usize,
-    /// Largest media item in bytes.
-    #[arg(long, env = "MMSERVE_MAX_ITEM_BYTES", default_value_t = 20 << 20)]
-    pub max_item_bytes: usize,
+    /// Largest request body (413 above it), e.g. `64MiB`.
+    #[arg(long, env = "MMSERVE_MAX_BODY_BYTES", default_value = "64MiB")]
+    pub max_body_bytes: ByteSize,
+    /// Largest media item, e.g. `20MiB`.
+    #[arg(long, env = "MMSERVE_MAX_ITEM_BYTES", default_value = "20MiB")]
+    pub max_item_bytes: ByteSize,
     /// Hosts image and audio URLs may be fetched from (comma-separated; `*.example.com`
     /// for subdomains). Without it (or --allow-all-media-domains) only data: URLs work.
     #[arg(long, env = "MMSERVE_ALLOWED_MEDIA_DOMAINS", value_delimiter = ',')]
@@ -121,13 +158,6 @@ pub struct PromptArgs {
     pub special_tokens_in_content: prompt::SpecialTokens,
 }
 
-impl PromptArgs {
-    pub fn to_args(&self) -> Vec<String> {
-        let v = clap::ValueEnum::to_possible_value(&self.special_tokens_in_content).expect("no skipped values");
-        vec![format!("--special-tokens-in-content={}", v.get_name())]
-    }
-}
-
 /// Bounds on the load one api process takes (also flags of `serve`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
@@ -151,47 +181,6 @@ pub struct LoadArgs {
     pub body_read_timeout_s: u64,
 }
 
-impl LoadArgs {
-    pub fn to_args(&self) -> Vec<String> {
-        vec![
-            format!("--max-queued-requests={}", self.max_queued_requests),
-            format!("--max-queued-prompt-tokens={}", self.max_queued_prompt_tokens),
-            format!("--max-connections={}", self.max_connections),
-            format!("--header-read-timeout-s={}", self.header_read_timeout_s),
-            format!("--body-read-timeout-s={}", self.body_read_timeout_s),
-        ]
-    }
-}
-
-impl MediaArgs {
-    /// The same settings as command-line flags, for a child process.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec![
-            format!("--max-body-bytes={}", self.max_body_bytes),
-            format!("--max-item-bytes={}", self.max_item_bytes),
-            format!("--max-items-per-request={}", self.max_items_per_request),
-            format!("--max-image-pixels={}", self.max_image_pixels),
-            format!("--max-audio-seconds={}", self.max_audio_seconds),
-            format!("--media-fetch-timeout-s={}", self.media_fetch_timeout_s),
-            format!("--media-max-redirects={}", self.media_max_redirects),
-            format!("--media-workers={}", self.media_workers),
-        ];
-        if !self.allowed_media_domains.is_empty() {
-            a.push(format!("--allowed-media-domains={}", self.allowed_media_domains.join(",")));
-        }
-        if self.allow_all_media_domains {
-            a.push("--allow-all-media-domains".into());
-        }
-        if self.allow_private_media_addresses {
-            a.push("--allow-private-media-addresses".into());
-        }
-        if let Some(p) = &self.allowed_local_media_path {
-            a.push(format!("--allowed-local-media-path={}", p.display()));
-        }
-        a
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ApiServiceError {
     #[error(transparent)]
@@ -212,19 +201,16 @@ pub enum ApiServiceError {
     Listen { addr: String, source: std::io::Error },
 }
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 async fn connect<In, Out>(
     service: &'static str,
     path: &std::path::Path,
+    timeout: Duration,
 ) -> Result<transport::UnixTransport<In, Out>, ApiServiceError>
 where
     In: serde::de::DeserializeOwned,
     Out: serde::Serialize,
 {
-    transport::connect(path, CONNECT_TIMEOUT)
-        .await
-        .map_err(|e| ApiServiceError::Connect { service, message: e.to_string() })
+    transport::connect(path, timeout).await.map_err(|e| ApiServiceError::Connect { service, message: e.to_string() })
 }
 
 /// Builds the shared state: the model's text side and clients of the three services.
@@ -253,17 +239,22 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let workers = if args.media.media_workers == 0 { 2 * cores } else { args.media.media_workers };
     let fingerprint = format!("{name};{}", model_media.fingerprint());
+    let t = &args.timeouts;
+    let connect_timeout = secs(t.connect_timeout_s);
 
-    let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
+    let cache = CacheConnection::connect(&args.cache_socket, connect_timeout)
         .await
         .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
-    let arena = ArenaMap::connect(&cache, CONNECT_TIMEOUT)
+    let arena = ArenaMap::connect(&cache, connect_timeout)
         .await
         .map_err(|e| ApiServiceError::Connect { service: "embed-cache", message: e.to_string() })?;
-    let encoder = EncoderClient::new(Default::default(), connect("encoder", &args.encoder_socket).await?).spawn();
-    let engine = EngineClient::new(Default::default(), connect("engine", &args.engine_socket).await?).spawn();
+    let encoder =
+        EncoderClient::new(Default::default(), connect("encoder", &args.encoder_socket, connect_timeout).await?)
+            .spawn();
+    let engine =
+        EngineClient::new(Default::default(), connect("engine", &args.engine_socket, connect_timeout).await?).spawn();
     let info = engine
-        .info(deadline(CONNECT_TIMEOUT))
+        .info(deadline(connect_timeout))
         .await
         .map_err(|e| ApiServiceError::Connect { service: "engine", message: e.to_string() })?;
 
@@ -287,11 +278,11 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
                 allow_all_domains: args.media.allow_all_media_domains,
                 allow_private_addresses: args.media.allow_private_media_addresses,
                 local_root,
-                max_bytes: args.media.max_item_bytes,
+                max_bytes: args.media.max_item_bytes.0.min(usize::MAX as u64) as usize,
                 timeout: Duration::from_secs(args.media.media_fetch_timeout_s),
                 max_redirects: args.media.media_max_redirects,
             },
-            cpu_slots: Arc::new(tokio::sync::Semaphore::new(workers)),
+            cpu: cpu::Pool::new(workers, secs(t.cpu_wait_timeout_s)),
             model: model_media,
         },
         info.max_model_len,
@@ -299,11 +290,13 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         arena,
         load,
         Timeouts {
-            rpc: Duration::from_secs(10),
-            cache_wait: Duration::from_secs(args.embed_cache_wait_timeout_s),
-            encode: Duration::from_secs(300),
-            token: Duration::from_secs(args.token_timeout_s),
-            body: Duration::from_secs(args.load.body_read_timeout_s),
+            rpc: secs(t.rpc_timeout_s),
+            health: secs(t.health_timeout_s),
+            sse_keep_alive: secs(t.sse_keep_alive_s),
+            cache_wait: secs(t.embed_cache_wait_timeout_s),
+            encode: secs(t.encode_timeout_s),
+            token: secs(t.token_timeout_s),
+            body: secs(args.load.body_read_timeout_s),
         },
     );
     if args.prompt.special_tokens_in_content == prompt::SpecialTokens::Text {
@@ -318,7 +311,8 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
     let state = build_state(&args).await?;
     let dispatcher = state.dispatcher.clone();
     let (engine, client) = (state.engine.clone(), state.client_id);
-    tokio::spawn(async move { dispatcher.run(engine, client).await });
+    let (poll, rpc) = (secs(args.timeouts.engine_poll_s), secs(args.timeouts.rpc_timeout_s));
+    tokio::spawn(async move { dispatcher.run(engine, client, poll, rpc).await });
 
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
@@ -326,10 +320,11 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
         .map_err(|source| ApiServiceError::Listen { addr: addr.clone(), source })?;
     let local: SocketAddr = listener.local_addr().map_err(|source| ApiServiceError::Listen { addr, source })?;
     mmserve_protocol::ready::announce_with("api", &format!("http://{local}"));
-    let app = routes::router(state, args.media.max_body_bytes);
+    let app = routes::router(state, args.media.max_body_bytes.0.min(usize::MAX as u64) as usize);
     let limits = http::HttpLimits {
         max_connections: args.load.max_connections,
-        header_read_timeout: Duration::from_secs(args.load.header_read_timeout_s.max(1)),
+        header_read_timeout: secs(args.load.header_read_timeout_s),
+        shutdown_grace: secs(args.timeouts.shutdown_grace_s),
     };
     http::serve(listener, app, limits, shutdown).await;
     Ok(())

@@ -21,7 +21,6 @@ use std::sync::Arc;
 use mmserve_media::audio::{AudioLimits, WhisperFeatureExtractor, decode_audio};
 use mmserve_media::{ImageLimits, ImageProcessor, image_header};
 use mmserve_protocol::{ItemDigest, Modality};
-use tokio::sync::Semaphore;
 
 use crate::cpu;
 use crate::error::ApiError;
@@ -76,7 +75,7 @@ pub struct MediaLimits {
     pub audio: AudioLimits,
     pub fetch: FetchPolicy,
     /// The api's CPU pool ([`cpu`]): media checks, hashing, audio decoding, tokenizing.
-    pub cpu_slots: Arc<Semaphore>,
+    pub cpu: crate::cpu::Pool,
     pub model: ModelMedia,
 }
 
@@ -185,7 +184,7 @@ pub async fn prepare(
         }
     };
     let (limits, fingerprint, budget) = (limits.clone(), fingerprint.to_string(), budget.clone());
-    cpu::run(&limits.cpu_slots.clone(), "checking media", move || match &limits.model {
+    cpu::run(&limits.cpu.clone(), "checking media", move || match &limits.model {
         ModelMedia::Image { processor, model_tokens } => {
             budget.take(u64::from(*model_tokens), p)?;
             check_image(bytes, &limits.image, processor, *model_tokens, &fingerprint)

@@ -3,7 +3,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
@@ -266,6 +266,7 @@ fn stream(
     return_ids: bool,
 ) -> impl IntoResponse {
     let receivers = std::mem::take(&mut started.choices);
+    let keep_alive = state.timeouts.sse_keep_alive;
     let mut events = futures::stream::SelectAll::new();
     let mut ids = Vec::with_capacity(receivers.len());
     for (index, (request_id, rx)) in receivers.into_iter().enumerate() {
@@ -326,7 +327,7 @@ fn stream(
             }
         }
     });
-    Sse::new(body).keep_alive(axum::response::sse::KeepAlive::new().interval(Duration::from_secs(15)))
+    Sse::new(body).keep_alive(axum::response::sse::KeepAlive::new().interval(keep_alive))
 }
 
 impl StreamState {
@@ -397,7 +398,7 @@ async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
 
 /// Ready only when every service answers.
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    let t = Duration::from_secs(2);
+    let t = state.timeouts.health;
     let (c, e, g) = tokio::join!(
         state.cache.call(|c| async move { c.stats(deadline(t)).await }),
         state.encoder.stats(deadline(t)),
@@ -423,7 +424,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 /// Prometheus text format.
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     use std::fmt::Write;
-    let t = Duration::from_secs(2);
+    let t = state.timeouts.health;
     let (c, e, g) = tokio::join!(
         state.cache.call(|c| async move { c.stats(deadline(t)).await }),
         state.encoder.stats(deadline(t)),

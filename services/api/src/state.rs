@@ -42,7 +42,12 @@ pub struct AppState {
 
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
+    /// Longest call to a sibling service.
     pub rpc: std::time::Duration,
+    /// Longest check of one sibling service by `/health` and `/metrics`.
+    pub health: std::time::Duration,
+    /// Between keep-alive comments on a quiet event stream.
+    pub sse_keep_alive: std::time::Duration,
     /// Longest wait in line for embed-cache capacity.
     pub cache_wait: std::time::Duration,
     pub encode: std::time::Duration,

@@ -56,15 +56,6 @@ pub struct AdminLimitArgs {
 }
 
 impl AdminLimitArgs {
-    /// The same settings as flags, for a child process.
-    pub fn to_args(&self) -> Vec<String> {
-        vec![
-            format!("--admin-max-connections={}", self.admin_max_connections),
-            format!("--admin-auth-timeout-s={}", self.admin_auth_timeout_s),
-            format!("--admin-idle-timeout-s={}", self.admin_idle_timeout_s),
-        ]
-    }
-
     fn limits(&self) -> Result<admin::AdminLimits, CacheServiceError> {
         if self.admin_max_connections == 0 {
             return Err(CacheServiceError::Capacity("--admin-max-connections must be positive".into()));

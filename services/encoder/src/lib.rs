@@ -40,8 +40,16 @@ pub struct EncoderArgs {
     #[arg(long, env = "MMSERVE_ENCODER_PREP_THREADS", default_value_t = 0)]
     pub prep_threads: usize,
     /// How long an item may wait for its raw data or its encoding, in milliseconds.
-    #[arg(long, env = "MMSERVE_ENCODER_TIMEOUT_MS", default_value_t = 120_000)]
+    #[arg(
+        long = "encoder-timeout-ms",
+        alias = "timeout-ms",
+        env = "MMSERVE_ENCODER_TIMEOUT_MS",
+        default_value_t = 120_000
+    )]
     pub timeout_ms: u64,
+    /// Longest connect to the embed cache at start, first call included, in seconds.
+    #[arg(long, env = "MMSERVE_CONNECT_TIMEOUT_S", default_value_t = 10)]
+    pub connect_timeout_s: u64,
     #[command(flatten)]
     pub placement: mmserve_models::PlacementArgs,
 }
@@ -70,12 +78,9 @@ pub enum EncoderServiceError {
     Bind { path: PathBuf, source: std::io::Error },
 }
 
-/// How long connecting to a sibling service may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Loads the model, connects to the cache, serves until `shutdown` resolves.
 pub async fn run(args: EncoderArgs, shutdown: impl Future<Output = ()>) -> Result<(), EncoderServiceError> {
-    let cache = CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
+    let cache = CacheConnection::connect(&args.cache_socket, Duration::from_secs(args.connect_timeout_s.max(1)))
         .await
         .map_err(|e| EncoderServiceError::Cache(e.to_string()))?;
     let service = EncoderService::start(&args, std::sync::Arc::new(cache)).await?;

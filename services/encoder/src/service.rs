@@ -62,7 +62,7 @@ impl EncoderService {
         let dir = ModelDir::open(&args.model)?;
         let (tower, preparer) = Tower::load(&dir, &args.placement.resolve(&dir)?)?;
         let map = Arc::new(
-            ArenaMap::connect(&cache, crate::CONNECT_TIMEOUT)
+            ArenaMap::connect(&cache, Duration::from_secs(args.connect_timeout_s.max(1)))
                 .await
                 .map_err(|e| EncoderServiceError::Cache(e.to_string()))?,
         );

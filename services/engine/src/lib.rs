@@ -41,6 +41,10 @@ pub struct EngineArgs {
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
+    /// Longest connect to the embed cache (at start, and to map its arenas after a
+    /// restart), first call included, in seconds.
+    #[arg(long, env = "MMSERVE_CONNECT_TIMEOUT_S", default_value_t = 10)]
+    pub connect_timeout_s: u64,
     #[command(flatten)]
     pub kv: KvArgs,
     #[command(flatten)]
@@ -70,24 +74,6 @@ pub struct KvArgs {
     pub expected_output_tokens: Option<u64>,
 }
 
-impl KvArgs {
-    /// The same settings as command-line flags, for a child process.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec![
-            format!("--kv-cache-memory={}", self.kv_cache_memory.0),
-            format!("--block-size={}", self.block_size),
-            format!("--chunked-prefill-size={}", self.chunked_prefill_size),
-        ];
-        if self.no_prefix_cache {
-            a.push("--no-prefix-cache".into());
-        }
-        if let Some(n) = self.expected_output_tokens {
-            a.push(format!("--expected-output-tokens={n}"));
-        }
-        a
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum EngineServiceError {
     #[error(transparent)]
@@ -106,14 +92,13 @@ pub enum EngineServiceError {
     Bind { path: PathBuf, source: std::io::Error },
 }
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 pub async fn run(args: EngineArgs, shutdown: impl Future<Output = ()>) -> Result<(), EngineServiceError> {
-    let cache = mmserve_protocol::reconnect::CacheConnection::connect(&args.cache_socket, CONNECT_TIMEOUT)
+    let connect_timeout = Duration::from_secs(args.connect_timeout_s.max(1));
+    let cache = mmserve_protocol::reconnect::CacheConnection::connect(&args.cache_socket, connect_timeout)
         .await
         .map_err(|e| EngineServiceError::Cache(e.to_string()))?;
     let arena = cache
-        .call(|c| async move { c.arena(mmserve_protocol::deadline(CONNECT_TIMEOUT)).await })
+        .call(|c| async move { c.arena(mmserve_protocol::deadline(connect_timeout)).await })
         .await
         .map_err(|e| EngineServiceError::Cache(e.to_string()))?;
     let service = EngineService::start(&args, arena, cache)?;

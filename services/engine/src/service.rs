@@ -63,9 +63,6 @@ impl Counts {
     }
 }
 
-/// The longest a long poll may hold, whatever the caller asks (below tarpc's deadline).
-const MAX_POLL: Duration = Duration::from_secs(5);
-
 #[derive(Clone)]
 pub struct EngineService {
     commands: Arc<Mutex<Option<SyncSender<Command>>>>,
@@ -79,6 +76,8 @@ pub struct EngineService {
     /// The arenas the model thread reads (or will read once its `Remap` arrives).
     arena: Arc<ArenaMap>,
     cache: Arc<CacheConnection>,
+    /// Longest wait to map the cache's arenas after it restarted.
+    connect_timeout: Duration,
 }
 
 impl EngineService {
@@ -141,6 +140,7 @@ impl EngineService {
             block_size: args.kv.block_size,
             arena: Arc::new(ArenaMap::shared(view)),
             cache: Arc::new(cache),
+            connect_timeout: Duration::from_secs(args.connect_timeout_s.max(1)),
         })
     }
 
@@ -159,7 +159,7 @@ impl EngineService {
     async fn arena_for(&self, instance: u64) -> Result<ArenaInfo, EngineError> {
         let mapped = self
             .arena
-            .view(instance, &self.cache, Duration::from_secs(5))
+            .view(instance, &self.cache, self.connect_timeout)
             .await
             .map_err(|e| EngineError::Invalid(e.to_string()))?;
         if let Mapped::New(view) = &mapped {
@@ -222,6 +222,7 @@ impl Engine for EngineService {
     }
 
     async fn next_events(self, _: Context, client: u64, max_wait_ms: u64) -> Vec<OutputEvent> {
-        self.outbox.take(client, Duration::from_millis(max_wait_ms).min(MAX_POLL)).await
+        // The caller's deadline bounds the wait (tarpc cancels the handler when it passes).
+        self.outbox.take(client, Duration::from_millis(max_wait_ms)).await
     }
 }
