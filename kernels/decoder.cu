@@ -12,7 +12,7 @@
 //   written one after the other into one buffer, or k and v into their paged-pool slots
 //   (rope_split_kv). One CTA per token and head.
 
-#include "float.cuh"
+#include "common.cuh"
 #include "pdl.cuh"
 
 // Each thread keeps its ADD_NORM_PER elements in registers: every load of the row is
@@ -84,13 +84,13 @@ __device__ void add_rmsnorm(const T* __restrict__ x, const T* __restrict__ y, co
       ss += v[k] * v[k];
     }
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  ss = warp_sum(ss);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) partial[warp] = ss;
   __syncthreads();
   if (warp == 0) {
     ss = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if (lane == 0) partial[0] = ss;
   }
   __syncthreads();

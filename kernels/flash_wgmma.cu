@@ -5,7 +5,7 @@
 // and v with kv_batch, kv_row and the kv head), output likewise (o_batch, o_row); keys >=
 // n_k hidden; with past >= 0, query i sees keys <= past + i; `group` query heads a kv head.
 //
-// A CTA is GROUPS (1 or 2) warp groups of 128 threads, each owning 64 query rows. Q (loaded once)
+// A CTA is FW_GROUPS (2) warp groups of 128 threads, each owning 64 query rows. Q (loaded once)
 // and a ring of K/V tiles of 64 keys (FW_STAGES) live in shared memory in the layout the
 // tensor cores read through descriptors: 128-byte rows (64 16-bit values, one head), the
 // 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the 128-byte swizzle, which keeps
@@ -25,7 +25,9 @@
 #include <stdint.h>
 
 #define FW_BC 64
-#define FW_STAGES(pipe) ((pipe) ? 3 : 2)
+#define FW_GROUPS 2
+// Three stages: tile t's K, tile t − 1's V (their MMAs overlap), and the load of tile t + 1.
+#define FW_STAGES 3
 #define FW_TILE (FW_BC * 128)  // bytes of one K or V tile
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 128-byte rows.
@@ -69,12 +71,13 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
-template <typename T, int GROUPS, bool PIPE>
+template <typename T>
 __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, const T* __restrict__ k,
                             const T* __restrict__ v, long kv_batch, long kv_row, T* __restrict__ out, long o_batch,
                             long o_row, int n_q, int n_k, int group, int past, float scale_log2) {
-  constexpr int FW_BR = 64 * GROUPS;        // query rows a CTA
-  constexpr int STAGES = FW_STAGES(PIPE);  // K/V tiles in the ring
+  constexpr int GROUPS = FW_GROUPS;
+  constexpr int FW_BR = 64 * GROUPS;  // query rows a CTA
+  constexpr int STAGES = FW_STAGES;   // K/V tiles in the ring
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The launch adds 1024 bytes so that the tiles can start on a 1024-byte boundary (the
   // swizzle's period: the descriptors' base offset is then 0).
@@ -212,20 +215,7 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   };
 
   if (tiles > 0) load(0);  // with the queries: one group
-  if constexpr (!PIPE) {
-    // Serial: per tile, the scores, their softmax, then P·V.
-    for (int t = 0; t < tiles; ++t) {
-      arrive(t);
-      if (!active) continue;
-      by_kind(t, [&](auto masked, auto narrow) {
-        float alpha[2];
-        scored(t, masked, narrow, alpha);
-        rescale(alpha);
-        pack(narrow);
-        valued(t, narrow);
-      });
-    }
-  } else if (tiles > 0) {
+  if (tiles > 0) {
     // Pipelined within the warp group (FlashAttention-3's intra-warpgroup overlap): the
     // scores of tile t are issued together with P·V of tile t − 1, and their softmax runs
     // while the tensor cores do P·V. Hence three stages: tile t's K, tile t − 1's V, and
@@ -285,21 +275,15 @@ __device__ void flash_wgmma(const T* __restrict__ q, long q_batch, long q_row, c
   }
 }
 
-// A CTA of two warp groups (128 query rows; two CTAs an SM), or of one (64; four, three
-// when pipelined); serial or pipelined (names with _pipe).
-#define FLASH_WGMMA(name, suffix, T, GROUPS, PIPE)                                                                \
-  extern "C" __global__ void __launch_bounds__(GROUPS * 128, 4 / GROUPS)                                          \
-      name##_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch, long kv_row,    \
-                      T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past, float scale_log2) {  \
-    flash_wgmma<T, GROUPS, PIPE>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group,  \
-                                 past, scale_log2);                                                                \
+// A CTA of two warp groups (128 query rows; two CTAs an SM), pipelined.
+#define FLASH_WGMMA(suffix, T)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(FW_GROUPS * 128, 2)                                               \
+      flash_wgmma_##suffix(const T* q, long q_batch, long q_row, const T* k, const T* v, long kv_batch,           \
+                           long kv_row, T* out, long o_batch, long o_row, int n_q, int n_k, int group, int past, \
+                           float scale_log2) {                                                                   \
+    flash_wgmma<T>(q, q_batch, q_row, k, v, kv_batch, kv_row, out, o_batch, o_row, n_q, n_k, group, past,       \
+                   scale_log2);                                                                                  \
   }
 
-FLASH_WGMMA(flash_wgmma, bf16, __nv_bfloat16, 2, false)
-FLASH_WGMMA(flash_wgmma, f16, __half, 2, false)
-FLASH_WGMMA(flash_wgmma1, bf16, __nv_bfloat16, 1, false)
-FLASH_WGMMA(flash_wgmma1, f16, __half, 1, false)
-FLASH_WGMMA(flash_wgmma_pipe, bf16, __nv_bfloat16, 2, true)
-FLASH_WGMMA(flash_wgmma_pipe, f16, __half, 2, true)
-FLASH_WGMMA(flash_wgmma1_pipe, bf16, __nv_bfloat16, 1, true)
-FLASH_WGMMA(flash_wgmma1_pipe, f16, __half, 1, true)
+FLASH_WGMMA(bf16, __nv_bfloat16)
+FLASH_WGMMA(f16, __half)

@@ -11,15 +11,9 @@
 // the row is read once and both statistics are exact two-pass sums. cols must be a multiple
 // of the chunk and at most 32 · CH chunks.
 
-#include "float.cuh"
+#include "common.cuh"
 
 #define LN_WARPS 4
-
-__device__ __forceinline__ float ln_warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
 template <typename T, int CH>
 __device__ void layer_norm(const T* __restrict__ x, const T* __restrict__ y, const T* __restrict__ w,
@@ -51,7 +45,7 @@ __device__ void layer_norm(const T* __restrict__ x, const T* __restrict__ y, con
       for (int e = 0; e < V; ++e) v[c][e] = 0.f;
     }
   }
-  const float mean = ln_warp_sum(s) / cols;
+  const float mean = warp_sum(s) / cols;
   float q = 0.f;
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
@@ -60,7 +54,7 @@ __device__ void layer_norm(const T* __restrict__ x, const T* __restrict__ y, con
       for (int e = 0; e < V; ++e) q += (v[c][e] - mean) * (v[c][e] - mean);
     }
   }
-  const float rstd = rsqrtf(ln_warp_sum(q) / cols + eps);
+  const float rstd = rsqrtf(warp_sum(q) / cols + eps);
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
     const int i = lane + 32 * c;

@@ -1,4 +1,4 @@
-// Input embeddings of a step (crates/models/src/arena_rows.rs): one row per position,
+// Input embeddings of a step (crates/ops/src/arena_rows.rs): one row per position,
 // a text row of the embedding table or an item row of the embedding arena. The arena
 // is host shared memory registered with the device (cuMemHostRegister), so item rows
 // cross PCIe once, straight into `out`, with no staging copy.

@@ -16,7 +16,7 @@
 // unnormalised sum of values) and `paged_decode_reduce` combines the splits. Splits exist
 // for small batches: they give the GPU enough CTAs when seqs × heads alone would not.
 
-#include "float.cuh"
+#include "common.cuh"
 #include "pdl.cuh"
 
 #define WARPS 4
@@ -48,12 +48,6 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, int lane, in
 #pragma unroll
     for (int e = 0; e < EPL; ++e) out[e] = d0 + e < hd ? to_f32(row[d0 + e]) : 0.f;
   }
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
 }
 
 template <typename T, int EPL, bool VEC>
@@ -215,26 +209,6 @@ DECODE_ALL(f16, __half)
 // memory, and with several splits the last CTA of a head to finish (an atomic count per
 // head, reset by that CTA) combines the splits: no second launch.
 #define TWARPS 4
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __nv_bfloat16*) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __half*) {
-  const __half2* p = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __half22float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
 
 template <typename T, int HD>
 __device__ void paged_decode_tiled(const T* __restrict__ q, const T* __restrict__ kpool,

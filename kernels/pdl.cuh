@@ -1,4 +1,4 @@
-// Programmatic dependent launch (sm_90+; crates/models/src/pdl.rs launches the kernels
+// Programmatic dependent launch (sm_90+; crates/ops/src/pdl.rs launches the kernels
 // that include this). Both instructions are no-ops in a grid not launched as a
 // programmatic dependent.
 //

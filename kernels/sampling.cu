@@ -1,4 +1,4 @@
-// Sampling on the device (crates/models/src/sampling.rs): temperature, top-k, min-p and
+// Sampling on the device (crates/ops/src/sampling.rs): temperature, top-k, min-p and
 // top-p over one row of f32 logits per block, then a draw with the host's uniform `u`.
 // It makes the engine's host sampler's choice (which sorts the row) without sorting:
 // - every token has a unique key, (weight bits << 32) | (~id), which orders tokens as
@@ -12,6 +12,8 @@
 //   histogram: the first passes' digits are a float's exponent, the same for most tokens,
 //   and one shared histogram serialised every thread on a few bins.
 #include <stdint.h>
+
+#include "common.cuh"
 
 #define THREADS 1024
 #define SCALE 1099511627776.0  // 2^40
@@ -30,12 +32,12 @@ __device__ __forceinline__ u64 key_of(float w, int i) {
 __device__ __forceinline__ u64 mass_of(float w) { return (u64)((double)w * SCALE); }
 
 __device__ float block_max(float v, float* scratch) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  v = warp_max(v);
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
   if (threadIdx.x < 32) {
     v = scratch[threadIdx.x];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    v = warp_max(v);
     if (threadIdx.x == 0) scratch[0] = v;
   }
   __syncthreads();
@@ -45,12 +47,12 @@ __device__ float block_max(float v, float* scratch) {
 }
 
 __device__ u64 block_sum(u64 v, u64* scratch) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  v = warp_sum(v);
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
   if (threadIdx.x < 32) {
     v = scratch[threadIdx.x];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    v = warp_sum(v);
     if (threadIdx.x == 0) scratch[0] = v;
   }
   __syncthreads();
@@ -227,12 +229,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float* l
   }
   for (int i = i0 + threadIdx.x; i < n; i += THREADS) best = max(best, argmax_key(row[i], i));
   __shared__ u64 scratch[THREADS / 32];
-  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffff, best, o));
+  best = warp_max(best);
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = best;
   __syncthreads();
   if (threadIdx.x < 32) {
     best = scratch[threadIdx.x];
-    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffff, best, o));
+    best = warp_max(best);
     if (threadIdx.x == 0) out[blockIdx.x] = 0xFFFFFFFFu - (unsigned)(best & 0xFFFFFFFFu);
   }
 }

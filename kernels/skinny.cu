@@ -1,5 +1,5 @@
 // y = x·Wᵀ (+ b) for a few rows of x (a decode step's batch): x [M, K], W [N, K], y [M, N],
-// bf16 or f16 with f32 sums, M <= 8, K a multiple of 8 (crates/models/src/skinny.rs).
+// bf16 or f16 with f32 sums, M <= 2, K a multiple of 8 (crates/ops/src/skinny.rs).
 // cuBLAS runs these shapes at 55-90% of HBM bandwidth (split-K plus a reduce kernel for
 // the narrow ones); here every warp streams R whole rows of W in 16-byte loads, once, and
 // applies each to all M rows of x, so W crosses HBM once at close to full bandwidth.
@@ -8,28 +8,8 @@
 // PDL (pdl.cuh): the grid may start while the previous kernel finishes and waits for it
 // before reading anything. (Pulling the first lines of the weight rows into L2 before the
 // wait was measured: 16 lines a row cost 4% at batch 1, 64 lines 25%.)
-#include "float.cuh"
+#include "common.cuh"
 #include "pdl.cuh"
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __nv_bfloat16*) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8], const __half*) {
-  const __half2* p = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __half22float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
 
 // Each warp takes R rows of W: R = 2 for wide layers (fewer x loads per weight byte),
 // R = 1 for narrow ones (N <= 8192), where two rows a warp left too few warps per SM to
@@ -84,9 +64,7 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
     float out[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      float v = acc[m][i];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float v = warp_sum(acc[m][i]);
       out[i] = r<T>(v);
       if (bias && row0 + (i % P) < outs) out[i] = r<T>(out[i] + to_f32(bias[row_of(i)]));
     }
@@ -114,23 +92,14 @@ __device__ void skinny(const T* __restrict__ x, const T* __restrict__ w, const T
                                                         int k) {                                         \
     skinny<T, M, 2, false>(x, w, bias, y, n, k);                                                         \
   }                                                                                                      \
-  extern "C" __global__ void skinny_silu_##suffix##_##M##_1(const T* x, const T* w, const T* bias, T* y,    \
-                                                           int n, int k) {                               \
-    skinny<T, M, 2, true>(x, w, bias, y, n, k);                                                          \
-  }                                                                                                      \
   extern "C" __global__ void skinny_silu_##suffix##_##M##_2(const T* x, const T* w, const T* bias, T* y,    \
                                                            int n, int k) {                               \
     skinny<T, M, 4, true>(x, w, bias, y, n, k);                                                          \
   }
+// One or two rows of x (at four cuBLAS was as fast, at eight far faster: not compiled).
 #define SKINNY(suffix, T) \
   SKINNY_M(suffix, T, 1)  \
-  SKINNY_M(suffix, T, 2)  \
-  SKINNY_M(suffix, T, 3)  \
-  SKINNY_M(suffix, T, 4)  \
-  SKINNY_M(suffix, T, 5)  \
-  SKINNY_M(suffix, T, 6)  \
-  SKINNY_M(suffix, T, 7)  \
-  SKINNY_M(suffix, T, 8)
+  SKINNY_M(suffix, T, 2)
 
 SKINNY(bf16, __nv_bfloat16)
 SKINNY(f16, __half)

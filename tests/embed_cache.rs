@@ -203,7 +203,7 @@ async fn colliding_md5_inputs_get_their_own_embeddings() {
     for (n, r) in records.iter().enumerate() {
         assert_eq!(view.read_data(r.data_offset, 128).unwrap(), pair[n]);
         let table = candle_core::Tensor::zeros((1, 4), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
-        let slots = [r.start_index, r.start_index + 1].map(mmserve_models::slot_source);
+        let slots = [r.start_index, r.start_index + 1].map(mmserve_ops::slot_source);
         let row = rows.gather(&table, &slots).unwrap();
         assert_eq!(row.to_vec2::<f32>().unwrap(), vec![vec![n as f32; 4]; 2], "each input keeps its own embedding");
     }
@@ -424,11 +424,11 @@ async fn coalesced_calls_keep_the_line_and_all_or_nothing() {
 }
 
 /// The embedding rows of `view` as the encoder and the engine see them (on the CPU).
-fn embedding_rows(view: &mmserve_arena::ArenaView) -> mmserve_models::ArenaRows {
+fn embedding_rows(view: &mmserve_arena::ArenaView) -> mmserve_ops::ArenaRows {
     let r = view.embed_rows();
     let dtype = mmserve_models::parse_dtype(r.dtype.name()).unwrap();
     // SAFETY: the caller drops the rows before the view.
-    unsafe { mmserve_models::ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, &candle_core::Device::Cpu).unwrap() }
+    unsafe { mmserve_ops::ArenaRows::new(r.ptr, r.slots, r.row_len, dtype, &candle_core::Device::Cpu).unwrap() }
 }
 
 /// The defect an adversarial run found: a request whose client vanished while its alloc

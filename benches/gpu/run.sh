@@ -26,16 +26,13 @@ echo "== llava-1.5-7b shapes, dummy bf16 weights"
 timeout 420 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy --device cuda \
   --dtype bfloat16 --json | tee "$OUT/mmserve_llava7b.jsonl"
 echo "== the same prefill and vision tower with flash attention off (the GEMM-and-softmax path)"
-MMSERVE_FLASH=0 timeout 200 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
+timeout 200 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy --no-flash-attention \
   --device cuda --dtype bfloat16 --batches 0 --images 1,32 2>&1 | grep -E "prefill|vision"
-echo "== the vision tower with the mma.sync flash kernel instead of the warp-group one"
-MMSERVE_FLASH_WGMMA=0 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
-  --device cuda --dtype bfloat16 --batches 0 --prefill 0 --images 1,32 2>&1 | grep -E "vision"
 echo "== the vision tower with cuBLASLt and the pass for fc1 + quick_gelu and the projector (gemm_wgmma.cu off)"
-MMSERVE_GEMM_WGMMA=0 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
+timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy --no-gemm-wgmma \
   --device cuda --dtype bfloat16 --batches 0 --prefill 0 --images 32 2>&1 | grep -E "vision"
 echo "== the vision tower with cuBLASLt's first algorithms (no timing of candidates)"
-MMSERVE_GEMM_TUNE=0 timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf \
+timeout 120 $bin bench model --model assets/models/llava-1.5-7b-hf --gemm-tune-candidates 0 \
   --load-format dummy --device cuda --dtype bfloat16 --batches 0 --prefill 0 --images 32 2>&1 | grep -E "vision"
 echo "== transformers, same model, same machine"
 timeout 420 python3 benches/gpu/hf_llava_baseline.py

@@ -42,11 +42,11 @@ impl Activation {
 
     pub fn apply(self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            Activation::Gelu if x.device().is_cuda() => crate::fused::gelu_erf(x),
+            Activation::Gelu if x.device().is_cuda() => mmserve_ops::fused::gelu_erf(x),
             Activation::Gelu => x.gelu_erf(),
             Activation::GeluTanh => x.gelu(),
             // One pass on the GPU (`kernels/fused.cu`); candle's ops on the CPU.
-            Activation::QuickGelu if x.device().is_cuda() => crate::fused::quick_gelu(x),
+            Activation::QuickGelu if x.device().is_cuda() => mmserve_ops::fused::quick_gelu(x),
             Activation::QuickGelu => x * candle_nn::ops::sigmoid(&(x * 1.702)?)?,
             Activation::Silu => x.silu(),
             Activation::Relu => x.relu(),

@@ -91,7 +91,8 @@ impl ClipVisionTower {
             .map(|i| EncoderLayer::load(&s.pp("encoder.layers").pp(i), cfg))
             .collect::<Result<_, _>>()?;
         let patch_embedding = emb.tensor("patch_embedding.weight", (d, cfg.num_channels, p, p))?;
-        let patch_gemm = patch_embedding.device().is_cuda().then(|| PatchEmbed::new(&patch_embedding)).transpose()?;
+        let patch_gemm =
+            patch_embedding.device().is_cuda().then(|| PatchEmbed::new(&patch_embedding, s.kernels())).transpose()?;
         Ok(ClipVisionTower {
             patch_embedding,
             patch_gemm,

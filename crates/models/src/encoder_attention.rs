@@ -6,10 +6,10 @@
 use candle_core::{DType, Module, Tensor};
 
 use crate::ModelError;
-use crate::flash_attention;
-use crate::fused::{scaled_softmax_cols, split_heads};
 use crate::linear::Linear;
 use crate::weights::Scope;
+use mmserve_ops::flash_attention;
+use mmserve_ops::fused::{scaled_softmax_cols, split_heads};
 
 /// The q, k and v projections.
 enum Projections {
@@ -29,6 +29,8 @@ pub(crate) struct SelfAttention {
     /// Whisper scales the queries before the product (transformers' order), CLIP the
     /// scores after it; the difference is rounding, kept to match each exactly.
     scale_queries: bool,
+    /// Whether the flash kernels may take it (`Kernels::flash_attention`).
+    flash: bool,
 }
 
 /// Which projections carry a bias, and where the scale applies.
@@ -55,6 +57,7 @@ impl SelfAttention {
             num_heads,
             scale: ((dim / num_heads) as f64).powf(-0.5),
             scale_queries: flavor.scale_queries,
+            flash: s.kernels().flash_attention,
         })
     }
 
@@ -74,6 +77,7 @@ impl SelfAttention {
         let (b, n, d) = x.dims3()?;
         if let Projections::Stacked(qkv) = &self.proj
             && key_mask.is_none()
+            && self.flash
             && flash_attention::applies(x.device(), x.dtype(), d / self.num_heads)
         {
             // Straight from the GEMM's output to the rows out_proj takes.

@@ -10,6 +10,8 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Op(#[from] mmserve_ops::OpError),
     #[error("tensor {0:?} is missing from the checkpoint")]
     MissingTensor(String),
     #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]

@@ -8,20 +8,22 @@
 //! the SiLU product too ([`Linear::forward_silu_mul`]).
 
 use candle_core::{Module, Tensor};
+use mmserve_ops::Kernels;
 
 use crate::activation::Activation;
-use crate::fused::add_bias;
-use crate::gemm_epilogue;
+use mmserve_ops::fused::add_bias;
+use mmserve_ops::gemm_epilogue;
 
 #[derive(Debug, Clone)]
 pub struct Linear {
     inner: candle_nn::Linear,
+    kernels: Kernels,
 }
 
 impl Linear {
-    /// `weight` [out, in], `bias` [out].
-    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Linear { inner: candle_nn::Linear::new(weight, bias) }
+    /// `weight` [out, in], `bias` [out]; `kernels`: which GEMM paths it may take.
+    pub fn new(weight: Tensor, bias: Option<Tensor>, kernels: Kernels) -> Self {
+        Linear { inner: candle_nn::Linear::new(weight, bias), kernels }
     }
 
     pub fn dtype(&self) -> candle_core::DType {
@@ -37,7 +39,8 @@ impl Linear {
             candle_core::bail!("Linear::stack: some parts have a bias and some not");
         }
         let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
-        Ok(Linear::new(Tensor::cat(&weights, 0)?, bias))
+        let kernels = parts.first().map_or_else(Kernels::default, |p| p.kernels);
+        Ok(Linear::new(Tensor::cat(&weights, 0)?, bias, kernels))
     }
 }
 
@@ -48,11 +51,11 @@ impl Linear {
     pub fn forward_silu_mul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if x.device().is_cuda()
             && x.rank() == 2
-            && let Some(y) = crate::skinny::linear_silu(x, self.inner.weight(), self.inner.bias())?
+            && let Some(y) = mmserve_ops::skinny::linear_silu(x, self.inner.weight(), self.inner.bias())?
         {
             return Ok(y);
         }
-        crate::decoder_fused::silu_mul(&self.forward(x)?)
+        mmserve_ops::decoder_fused::silu_mul(&self.forward(x)?)
     }
 
     /// `act(x·Wᵀ + b)`: on the GPU in 16-bit, where `act` has a fused kernel, the GEMM
@@ -65,7 +68,7 @@ impl Linear {
         {
             let k = dims.last().copied().unwrap_or(1);
             let flat = x.reshape((x.elem_count() / k.max(1), k))?;
-            if let Some(y) = gemm_epilogue::linear_act(&flat, w, self.inner.bias(), stem)? {
+            if let Some(y) = gemm_epilogue::linear_act(&flat, w, self.inner.bias(), stem, &self.kernels)? {
                 let mut out = dims.to_vec();
                 if let Some(last) = out.last_mut() {
                     *last = w.dim(0)?;
@@ -84,7 +87,7 @@ impl Linear {
         if x.device().is_cuda() {
             let rows = x.elem_count() / k.max(1);
             let flat = (x.reshape((rows, k))?, residual.reshape((rows, w.dim(0)?))?);
-            if let Some(y) = gemm_epilogue::linear(&flat.0, w, self.inner.bias(), Some(&flat.1))? {
+            if let Some(y) = gemm_epilogue::linear(&flat.0, w, self.inner.bias(), Some(&flat.1), &self.kernels)? {
                 return y.reshape(residual.shape());
             }
         }
@@ -100,9 +103,9 @@ impl Module for Linear {
         let (w, dims) = (self.inner.weight(), x.dims());
         let k = dims.last().copied().unwrap_or(1);
         let x = x.reshape((x.elem_count() / k.max(1), k))?;
-        let y = if let Some(y) = crate::skinny::linear(&x, w, self.inner.bias())? {
+        let y = if let Some(y) = mmserve_ops::skinny::linear(&x, w, self.inner.bias())? {
             y
-        } else if let Some(y) = gemm_epilogue::linear(&x, w, self.inner.bias(), None)? {
+        } else if let Some(y) = gemm_epilogue::linear(&x, w, self.inner.bias(), None, &self.kernels)? {
             y
         } else {
             let y = x.matmul(&w.t()?)?;

@@ -17,10 +17,10 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use crate::decoder_fused::{ADD_RMSNORM_MAX_WIDTH, PoolSlots, add_rmsnorm, rope_split, rope_split_into};
-use crate::fused::scaled_softmax;
 use crate::linear::Linear;
 use mmserve_config::{LlamaConfig, ModelDir};
+use mmserve_ops::decoder_fused::{ADD_RMSNORM_MAX_WIDTH, PoolSlots, add_rmsnorm, rope_split, rope_split_into};
+use mmserve_ops::fused::scaled_softmax;
 
 use crate::ModelError;
 use crate::activation::Activation;
@@ -308,6 +308,8 @@ pub struct Llama {
     /// [1, head_dim / 2] f32.
     inv_freq: Tensor,
     cfg: LlamaConfig,
+    /// Whether prefill attention may take the flash kernels (`Kernels::flash_attention`).
+    pub(crate) flash_attention: bool,
 }
 
 impl Llama {
@@ -339,9 +341,9 @@ impl Llama {
             .collect::<Result<_, ModelError>>()?;
         let head = weights.lm_head();
         let lm_head = if head.contains("weight") {
-            Linear::new(head.tensor("weight", (cfg.vocab_size, h))?, None)
+            Linear::new(head.tensor("weight", (cfg.vocab_size, h))?, None, weights.kernels())
         } else {
-            Linear::new(embed_tokens.clone(), None)
+            Linear::new(embed_tokens.clone(), None, weights.kernels())
         };
         let half = cfg.head_dim / 2;
         let inv_freq: Vec<f32> =
@@ -353,6 +355,7 @@ impl Llama {
             norm: lm.rms_norm("norm", h, eps)?,
             lm_head,
             cfg: cfg.clone(),
+            flash_attention: weights.kernels().flash_attention,
         })
     }
 

@@ -69,7 +69,7 @@ impl LlavaVision {
         let features = match self.select {
             FeatureSelect::Default => {
                 let n = features.dim(1)?;
-                crate::row_copy::rows_of_each(&features, 1, n - 1)?
+                mmserve_ops::row_copy::rows_of_each(&features, 1, n - 1)?
             }
             FeatureSelect::Full => features,
         };

@@ -5,6 +5,7 @@
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use mmserve_config::ModelDir;
+use mmserve_ops::Kernels;
 
 use crate::ModelError;
 use crate::weights::{Weights, parse_dtype};
@@ -139,17 +140,24 @@ pub struct Placement {
     pub format: LoadFormat,
     pub device: Device,
     pub dtype: DType,
+    /// The kernel choices that are settings, resolved once here.
+    pub kernels: Kernels,
 }
 
 impl Placement {
     /// The checkpoint's weights in float32 on the CPU (tests and the CPU build's default).
     pub fn cpu() -> Self {
-        Placement { format: LoadFormat::Safetensors, device: Device::Cpu, dtype: DType::F32 }
+        Placement {
+            format: LoadFormat::Safetensors,
+            device: Device::Cpu,
+            dtype: DType::F32,
+            kernels: Kernels::default(),
+        }
     }
 
     /// The weights of `dir` as placed.
     pub fn weights(&self, dir: &ModelDir) -> Result<Weights, ModelError> {
-        Weights::load(dir, self.format, &self.device, self.dtype)
+        Ok(Weights::load(dir, self.format, &self.device, self.dtype)?.with_kernels(self.kernels))
     }
 }
 
@@ -168,6 +176,36 @@ pub struct PlacementArgs {
     /// models that are not on this machine).
     #[arg(long, env = "MMSERVE_LOAD_FORMAT", default_value = "safetensors")]
     pub load_format: LoadFormat,
+    #[command(flatten)]
+    pub kernels: KernelArgs,
+}
+
+/// The kernel choices that are settings (`mmserve_ops::Kernels`; `kernels/README.md`
+/// has the measurements behind each default).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KernelArgs {
+    /// Attention by GEMMs and softmax instead of our flash attention kernels (for
+    /// comparing the two).
+    #[arg(long, env = "MMSERVE_NO_FLASH_ATTENTION")]
+    pub no_flash_attention: bool,
+    /// On Hopper, linear layers an activation follows run as cuBLASLt's GEMM then the
+    /// activation, instead of our GEMM with both in its epilogue.
+    #[arg(long, env = "MMSERVE_NO_GEMM_WGMMA")]
+    pub no_gemm_wgmma: bool,
+    /// cuBLASLt algorithms timed for each new GEMM shape of 4,096 rows or more (0 or 1:
+    /// the heuristic's first).
+    #[arg(long, env = "MMSERVE_GEMM_TUNE_CANDIDATES", default_value_t = 8)]
+    pub gemm_tune_candidates: usize,
+}
+
+impl KernelArgs {
+    pub fn resolve(&self) -> Kernels {
+        Kernels {
+            flash_attention: !self.no_flash_attention,
+            gemm_wgmma: !self.no_gemm_wgmma,
+            gemm_tune_candidates: self.gemm_tune_candidates,
+        }
+    }
 }
 
 impl PlacementArgs {
@@ -175,7 +213,7 @@ impl PlacementArgs {
     pub fn resolve(&self, dir: &ModelDir) -> Result<Placement, ModelError> {
         let device = parse_device(self.device.as_deref().unwrap_or(default_device_name()))?;
         let dtype = resolve_dtype(&self.dtype, dir.config.dtype(), &device)?;
-        Ok(Placement { format: self.load_format, device, dtype })
+        Ok(Placement { format: self.load_format, device, dtype, kernels: self.kernels.resolve() })
     }
 }
 

@@ -13,10 +13,10 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::ModelError;
-use crate::flash_attention::{self, PagedTable};
-use crate::kv_write::write_kv;
 use crate::llama::{LayerPools, Llama};
-use crate::paged_attention::{DecodeTables, paged_decode};
+use mmserve_ops::flash_attention::{self, PagedTable};
+use mmserve_ops::kv_write::write_kv;
+use mmserve_ops::paged_attention::{DecodeTables, paged_decode};
 
 /// The KV pool of one model: per layer, K and V `[num_blocks, kv_heads, block_size, head_dim]`.
 pub struct PagedKv {
@@ -86,7 +86,7 @@ impl PagedKv {
     /// at `slots` (see [`slots`](Self::slots)).
     fn write(&self, layer: usize, slots: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<()> {
         let src = |x: &Tensor| x.to_dtype(self.dtype())?.contiguous();
-        let err = |e: ModelError| candle_core::Error::Msg(e.to_string());
+        let err = |e: mmserve_ops::OpError| candle_core::Error::Msg(e.to_string());
         write_kv(&self.k[layer], &src(k)?, slots).map_err(err)?;
         write_kv(&self.v[layer], &src(v)?, slots).map_err(err)
     }
@@ -247,7 +247,9 @@ impl Llama {
         // kernel covers the model (no gather); otherwise over their gathered blocks. The
         // sequences the decode kernel takes (few new tokens, on the GPU) need no table here:
         // each one made would be an upload per sequence per step.
-        let flash = flash_attention::applies(&device, self.dtype(), cfg.head_dim) && kv.dtype() == self.dtype();
+        let flash = self.flash_attention
+            && flash_attention::applies(&device, self.dtype(), cfg.head_dim)
+            && kv.dtype() == self.dtype();
         let tables = seqs
             .iter()
             .map(|s| {

@@ -20,6 +20,7 @@
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
 use mmserve_config::WeightFiles;
+use mmserve_ops::Kernels;
 
 use crate::ModelError;
 use crate::layer_norm::LayerNorm;
@@ -88,6 +89,8 @@ pub struct Weights {
     naming: Naming,
     /// Made up on request ([`crate::LoadFormat::Dummy`]): tensors need their shape.
     dummy: bool,
+    /// The kernel choices the layers made from these weights take.
+    kernels: Kernels,
 }
 
 impl Weights {
@@ -119,11 +122,20 @@ impl Weights {
                 Naming::V5.language_model()
             )));
         };
-        Ok(Weights { vb, naming, dummy: false })
+        Ok(Weights { vb, naming, dummy: false, kernels: Kernels::default() })
     }
 
     pub(crate) fn from_var_builder(vb: VarBuilder<'static>, dummy: bool) -> Self {
-        Weights { vb, naming: Naming::Hub, dummy }
+        Weights { vb, naming: Naming::Hub, dummy, kernels: Kernels::default() }
+    }
+
+    /// The same weights, for layers that take `kernels`.
+    pub fn with_kernels(self, kernels: Kernels) -> Self {
+        Weights { kernels, ..self }
+    }
+
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     pub fn naming(&self) -> Naming {
@@ -139,7 +151,7 @@ impl Weights {
     }
 
     fn scope(&self, prefix: &str) -> Scope {
-        Scope(self.vb.pp(prefix), self.dummy)
+        Scope(self.vb.pp(prefix), self.dummy, self.kernels)
     }
 
     /// `LlamaModel`: embed_tokens, layers, norm.
@@ -170,11 +182,15 @@ impl Weights {
 
 /// A name prefix within a checkpoint, with shape-checked loaders.
 #[derive(Clone)]
-pub(crate) struct Scope(VarBuilder<'static>, bool);
+pub(crate) struct Scope(VarBuilder<'static>, bool, Kernels);
 
 impl Scope {
     pub(crate) fn pp(&self, name: impl ToString) -> Scope {
-        Scope(self.0.pp(name), self.1)
+        Scope(self.0.pp(name), self.1, self.2)
+    }
+
+    pub(crate) fn kernels(&self) -> Kernels {
+        self.2
     }
 
     pub(crate) fn device(&self) -> &Device {
@@ -218,7 +234,7 @@ impl Scope {
         let s = self.pp(name);
         let weight = s.tensor("weight", (out_dim, in_dim))?;
         let bias = if bias { Some(s.tensor("bias", out_dim)?) } else { None };
-        Ok(Linear::new(weight, bias))
+        Ok(Linear::new(weight, bias, self.2))
     }
 
     /// An `nn.LayerNorm(dim)` with weight and bias.

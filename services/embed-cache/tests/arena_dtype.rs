@@ -1,5 +1,5 @@
 //! The arena stores rows in the LLM's dtype: slot counts follow the element size (the
-//! rounding of rows in and out is `mmserve_models::ArenaRows`'s, tested there).
+//! rounding of rows in and out is `mmserve_ops::ArenaRows`'s, tested there).
 
 use clap::Parser;
 use mmserve_embed_cache::{CacheArgs, CacheService};

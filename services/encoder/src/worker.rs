@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use candle_core::Device;
 use mmserve_arena::ArenaView;
-use mmserve_models::ArenaRows;
+use mmserve_ops::ArenaRows;
 use mmserve_protocol::reconnect::CacheConnection;
 use mmserve_protocol::{EncodeItem, deadline};
 use tokio::runtime::Handle;

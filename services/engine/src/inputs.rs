@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use mmserve_arena::ArenaView;
-use mmserve_models::{ArenaRows, parse_dtype, slot_source, text_source};
+use mmserve_models::parse_dtype;
+use mmserve_ops::{ArenaRows, slot_source, text_source};
 use mmserve_protocol::{EngineError, GenerateRequest, ItemSpan};
 
 /// Where one prompt position's row comes from.
@@ -52,7 +53,7 @@ fn source(id: u64, vocab: usize, items: &[ItemSpan]) -> Result<Source, EngineErr
         .ok_or_else(|| EngineError::Invalid(format!("token id {id} is neither text nor inside a media item")))
 }
 
-/// Gather sources ([`mmserve_models::ArenaRows::gather`]) of prompt ids (validated by
+/// Gather sources ([`mmserve_ops::ArenaRows::gather`]) of prompt ids (validated by
 /// [`validate`]): text rows, or item rows found by virtual token id.
 pub fn prompt_sources(ids: &[u64], vocab: usize, items: &[ItemSpan], out: &mut Vec<i64>) -> Result<(), String> {
     for &id in ids {

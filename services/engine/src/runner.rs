@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use mmserve_arena::ArenaView;
-use mmserve_models::{Llama, PagedKv, PagedSeq, text_source};
+use mmserve_models::{Llama, PagedKv, PagedSeq};
+use mmserve_ops::text_source;
 use mmserve_protocol::ItemSpan;
 
 use crate::inputs::{ModelArena, prompt_sources};

@@ -3,7 +3,7 @@
 //! Penalties (repetition, presence, frequency) and `min_tokens` adjust the row on the
 //! host; then greedy, or temperature with top-k, min-p and top-p, from a per-request
 //! seeded generator (the same seed and input give the same output whatever else runs).
-//! The draw's rules are `mmserve_models::sample_row`'s, one implementation that the
+//! The draw's rules are `mmserve_ops::sample_row`'s, one implementation that the
 //! device kernel is tested against. A step's rows go where they are cheapest ([`Pick`]):
 //! the argmax or the draw where the logits are when nothing needs the whole row, the
 //! host otherwise. Log-probabilities are those of the model's distribution, before any
@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use candle_core::Tensor;
-use mmserve_models::{ModelError, SampleSettings, argmax_rows, sample_rows};
+use mmserve_ops::{OpError, SampleSettings, argmax_rows, sample_rows};
 use mmserve_protocol::{GenerateRequest, SamplingParams, TokenLogprobs};
 
 /// splitmix64: small, fast, and reproducible across platforms.
@@ -77,7 +77,7 @@ pub fn argmax_decides(params: &SamplingParams, history: &History) -> bool {
     params.temperature < GREEDY_BELOW && logits_suffice(params, history)
 }
 
-/// Whether the device may draw the next token (`mmserve_models::sample_rows`, the
+/// Whether the device may draw the next token (`mmserve_ops::sample_rows`, the
 /// same rules as [`sample`]): sampled, and neither penalties nor log-probabilities nor
 /// `min_tokens` need the logits on the host.
 pub fn device_samples(params: &SamplingParams, history: &History) -> bool {
@@ -149,17 +149,17 @@ pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
 
 /// The next token from a host row (penalties already applied): the argmax when greedy,
 /// else a draw with the request's generator under the same rules as the device's
-/// ([`mmserve_models::sample_row`], one implementation for both).
+/// ([`mmserve_ops::sample_row`], one implementation for both).
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
     if params.temperature < GREEDY_BELOW {
         return argmax(logits);
     }
-    mmserve_models::sample_row(logits, &settings(params, rng.next_f64()))
+    mmserve_ops::sample_row(logits, &settings(params, rng.next_f64()))
 }
 
 /// Index of the largest logit (the first on ties, as torch.argmax; NaN loses).
 pub fn argmax(logits: &[f32]) -> u32 {
-    mmserve_models::argmax_row(logits)
+    mmserve_ops::argmax_row(logits)
 }
 
 /// What one sequence's sampling depends on besides its request.
@@ -251,7 +251,7 @@ pub fn pick<'a>(
 
 /// Each row's [`Next`] by its [`Pick`]: only ids cross to the host for device picks,
 /// whole rows only for the host's.
-pub fn next_tokens(logits: &Tensor, picks: &[Pick]) -> Result<Vec<Next>, ModelError> {
+pub fn next_tokens(logits: &Tensor, picks: &[Pick]) -> Result<Vec<Next>, OpError> {
     let rows_of = |want: fn(&Pick) -> bool| -> Vec<u32> {
         (0..picks.len() as u32).filter(|&i| want(&picks[i as usize])).collect()
     };
@@ -379,7 +379,7 @@ mod tests {
     fn device_picks_send_ids_host_picks_whole_rows() {
         let rows = [[0.0f32, 3.0, 1.0, 3.0], [5.0, -1.0, 0.0, 2.0], [-2.0, -1.0, -3.0, -0.5], [0.0, 0.0, 9.0, 0.0]];
         let logits = candle_core::Tensor::new(&rows, &candle_core::Device::Cpu).unwrap();
-        let draw = mmserve_models::SampleSettings { temperature: 1.0, top_k: 1, min_p: 0.0, top_p: 1.0, u: 0.5 };
+        let draw = mmserve_ops::SampleSettings { temperature: 1.0, top_k: 1, min_p: 0.0, top_p: 1.0, u: 0.5 };
         let next = next_tokens(&logits, &[Pick::Argmax, Pick::Host, Pick::Argmax, Pick::Draw(draw)]).unwrap();
         assert!(matches!(next[0], Next::Greedy(1)), "first of tied maxima, as torch.argmax: {:?}", next[0]);
         assert!(matches!(&next[1], Next::Logits(r) if r == &rows[1]), "{:?}", next[1]);

@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::ModelError;
+use crate::{Kernels, OpError};
 
 /// Fewest rows of x worth an epilogue GEMM: below it (decode steps) the per-call descriptor
 /// setup is not repaid, and the skinny kernel or cuBLAS take the rows.
@@ -20,13 +20,14 @@ const MIN_ROWS: usize = 32;
 
 /// `x [M, K] · w [N, K]ᵀ + bias [N] (+ residual [M, N])` through cuBLASLt, when it applies
 /// (GPU, bf16 or f16, contiguous, at least [`MIN_ROWS`] rows); else `None`.
-pub(crate) fn linear(
+pub fn linear(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
+    kernels: &Kernels,
 ) -> candle_core::Result<Option<Tensor>> {
-    gemm(x, w, bias, residual, None)
+    gemm(x, w, bias, residual, None, kernels)
 }
 
 /// `act(x·Wᵀ + b)` where `act` is one of `kernels/fused.cu`'s activations by its name stem
@@ -35,13 +36,14 @@ pub(crate) fn linear(
 /// row chunks, each activated while still in L2, was measured slower at every chunk size
 /// (CLIP-L at 32 images on the H100: 25.3-26.2 ms against 24.6): the chunks' partial last
 /// waves cost more than the HBM round trip saved.
-pub(crate) fn linear_act(
+pub fn linear_act(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     act: &'static str,
+    kernels: &Kernels,
 ) -> candle_core::Result<Option<Tensor>> {
-    gemm(x, w, bias, None, Some(act))
+    gemm(x, w, bias, None, Some(act), kernels)
 }
 
 fn gemm(
@@ -50,6 +52,7 @@ fn gemm(
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
     act: Option<&'static str>,
+    kernels: &Kernels,
 ) -> candle_core::Result<Option<Tensor>> {
     let (m, _) = x.dims2()?;
     let applies = x.device().is_cuda()
@@ -70,13 +73,14 @@ fn gemm(
             return Ok(None);
         }
         let (k, n) = (x.dim(1)?, w.dim(0)?);
-        let ours = act.is_some() && residual.is_none() && crate::gemm_wgmma::covers(x.device(), m, n, k);
-        let op = cuda::Epilogue { bias, residual: residual.as_ref(), act, ours };
+        let ours =
+            kernels.gemm_wgmma && act.is_some() && residual.is_none() && crate::gemm_wgmma::covers(x.device(), m, n, k);
+        let op = cuda::Epilogue { bias, residual: residual.as_ref(), act, ours, tune: kernels.gemm_tune_candidates };
         Ok(Some(x.apply_op2_no_bwd(&w, &op)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (w, residual, act);
+        let _ = (w, residual, act, kernels);
         Ok(None)
     }
 }
@@ -86,7 +90,7 @@ mod cuda {
     use std::collections::HashMap;
     use std::ffi::c_void;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::{Mutex, MutexGuard, OnceLock};
+    use std::sync::{Mutex, MutexGuard};
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublaslt::{result, sys};
@@ -103,6 +107,8 @@ mod cuda {
         pub(super) act: Option<&'static str>,
         /// `gemm_wgmma.rs`'s kernel takes it (bias and activation in its epilogue).
         pub(super) ours: bool,
+        /// cuBLASLt candidates timed for a new shape of many rows.
+        pub(super) tune: usize,
     }
 
     /// cuBLASLt's workspace on Hopper (NVIDIA's recommendation).
@@ -254,16 +260,15 @@ mod cuda {
     }
 
     /// The algorithm for a new shape: the heuristic's first, or from `TUNE_ROWS` rows the
-    /// fastest of its first `tune_candidates()`, each timed on the call's own operands (the
-    /// outputs are rewritten by the real launch after).
+    /// fastest of its first `count`, each timed on the call's own operands (the outputs are
+    /// rewritten by the real launch after).
     fn choose(
         handle: sys::cublasLtHandle_t,
         descs: &Descs,
-        rows: usize,
+        (rows, count): (usize, usize),
         stream: &CudaStream,
         launch: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> candle_core::Result<()>,
     ) -> candle_core::Result<sys::cublasLtMatmulAlgo_t> {
-        let count = tune_candidates();
         let tune = rows >= TUNE_ROWS && count > 1 && TUNED.fetch_add(1, Ordering::Relaxed) < TUNE_SHAPES;
         let algos = candidates(handle, descs, if tune { count } else { 1 })?;
         if algos.len() == 1 {
@@ -287,13 +292,6 @@ mod cuda {
             }
         }
         Ok(best.1)
-    }
-
-    /// Candidates timed per shape: `MMSERVE_GEMM_TUNE` (8 by default; 0 or 1 keeps the
-    /// heuristic's first algorithm for every shape).
-    fn tune_candidates() -> usize {
-        static COUNT: OnceLock<usize> = OnceLock::new();
-        *COUNT.get_or_init(|| std::env::var("MMSERVE_GEMM_TUNE").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
     }
 
     impl CustomOp2 for Epilogue<'_> {
@@ -354,8 +352,8 @@ mod cuda {
             let [bias, residual] = parts;
             macro_rules! run {
                 ($t:ty) => {{
-                    let x = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-                    let w = w.as_cuda_slice::<$t>()?.slice(lw.start_offset()..);
+                    let x = crate::launch::view::<$t>(x, lx)?;
+                    let w = crate::launch::view::<$t>(w, lw)?;
                     // SAFETY: the GEMM writes all of D ([M, N]).
                     let mut out = unsafe { dev.alloc::<$t>(m * n)? };
                     let bias_view = match bias {
@@ -427,7 +425,7 @@ mod cuda {
                         let algo = match algos.get(&key) {
                             Some(algo) => *algo,
                             None => {
-                                let algo = choose(handle, &descs, m, &stream, &launch)?;
+                                let algo = choose(handle, &descs, (m, self.tune), &stream, &launch)?;
                                 algos.insert(key, algo);
                                 algo
                             }
@@ -439,7 +437,7 @@ mod cuda {
                         drop(_rws);
                     }
                     drop((_rx, _rw, _ro, bp, rp));
-                    candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+                    crate::launch::storage(out, &dev)
                 }};
             }
             let out = match dtype {
@@ -452,37 +450,38 @@ mod cuda {
     }
 }
 
-/// The self-test's settings while alive: the GEMMs' outputs start poisoned (NaN) and
-/// `gemm_wgmma.rs`'s kernel takes the shapes it covers (the previous switch is restored).
+/// While alive, the GEMMs' outputs start poisoned (NaN), so that a value the kernels leave
+/// unwritten shows.
 #[cfg(feature = "cuda")]
-struct TestSettings(Option<bool>);
+struct Poisoned;
 
 #[cfg(feature = "cuda")]
-impl TestSettings {
+impl Poisoned {
     fn new() -> Self {
         cuda::POISON.store(true, std::sync::atomic::Ordering::Relaxed);
-        TestSettings(crate::gemm_wgmma::set_enabled(Some(true)))
+        Poisoned
     }
 }
 
 #[cfg(feature = "cuda")]
-impl Drop for TestSettings {
+impl Drop for Poisoned {
     fn drop(&mut self) {
         cuda::POISON.store(false, std::sync::atomic::Ordering::Relaxed);
-        crate::gemm_wgmma::set_enabled(self.0);
     }
 }
 
 /// Runs the epilogue GEMM on `device` against the CPU's f32 `x·wᵀ + b (+ r)` on random
 /// inputs (odd N, with and without each part; outputs poisoned) in bf16 and f16: a line per
 /// case whose results differ by more than the output's rounding plus the inputs'.
-pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
     let mut bad = Vec::new();
     if !device.is_cuda() {
         return Ok(bad);
     }
     #[cfg(feature = "cuda")]
-    let _settings = TestSettings::new();
+    let _poisoned = Poisoned::new();
+    // `gemm_wgmma.rs`'s kernel takes the shapes it covers.
+    let kernels = &Kernels { gemm_wgmma: true, ..Kernels::default() };
     // The last two are `gemm_wgmma.rs`'s on Hopper (with an activation): several 128×128
     // tiles a CTA, so both consumer groups take turns, a ragged last row tile, and K blocks
     // past the ring's six stages.
@@ -504,23 +503,23 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 bad.push(format!("case {i} ({m}×{n}×{k}): gemm_wgmma does not take it"));
             }
             let runs = [
-                ("bias", linear(&xd, &wd, Some(&bd), None)?, base.broadcast_add(&f(&b)?)?),
-                ("residual", linear(&xd, &wd, None, Some(&rd))?, (&base + f(&r)?)?),
+                ("bias", linear(&xd, &wd, Some(&bd), None, kernels)?, base.broadcast_add(&f(&b)?)?),
+                ("residual", linear(&xd, &wd, None, Some(&rd), kernels)?, (&base + f(&r)?)?),
                 (
                     "bias and residual",
-                    linear(&xd, &wd, Some(&bd), Some(&rd))?,
+                    linear(&xd, &wd, Some(&bd), Some(&rd), kernels)?,
                     (base.broadcast_add(&f(&b)?)? + f(&r)?)?,
                 ),
-                ("bias and quick_gelu", linear_act(&xd, &wd, Some(&bd), "quick_gelu")?, {
+                ("bias and quick_gelu", linear_act(&xd, &wd, Some(&bd), "quick_gelu", kernels)?, {
                     let y = base.broadcast_add(&f(&b)?)?;
                     (&y * candle_nn::ops::sigmoid(&(&y * 1.702)?)?)?
                 }),
-                ("quick_gelu", linear_act(&xd, &wd, None, "quick_gelu")?, {
+                ("quick_gelu", linear_act(&xd, &wd, None, "quick_gelu", kernels)?, {
                     (&base * candle_nn::ops::sigmoid(&(&base * 1.702)?)?)?
                 }),
                 (
                     "bias and gelu_erf",
-                    linear_act(&xd, &wd, Some(&bd), "gelu_erf")?,
+                    linear_act(&xd, &wd, Some(&bd), "gelu_erf", kernels)?,
                     base.broadcast_add(&f(&b)?)?.gelu_erf()?,
                 ),
             ];

@@ -5,7 +5,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor};
 
-use crate::ModelError;
+use crate::OpError;
 #[cfg(feature = "cuda")]
 use crate::dispatch::by_float;
 #[cfg(feature = "cuda")]
@@ -16,11 +16,11 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
 #[cfg(feature = "cuda")]
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/row_copy.ptx"));
+const MODULE: crate::launch::Module = crate::launch::module!("row_copy");
 
 /// `x [B, n, d]`'s rows `start..start + len` of each batch entry, contiguous. On the GPU one
 /// pass of 16-byte chunks where the byte offsets allow; elsewhere candle's narrow and copy.
-pub(crate) fn rows_of_each(x: &Tensor, start: usize, len: usize) -> candle_core::Result<Tensor> {
+pub fn rows_of_each(x: &Tensor, start: usize, len: usize) -> candle_core::Result<Tensor> {
     let (_, n, d) = x.dims3()?;
     if start + len > n {
         candle_core::bail!("rows_of_each: rows {start}..{} of {n}", start + len);
@@ -69,13 +69,13 @@ impl CustomOp1 for RowsOfEach {
             let src = x.as_cuda_slice::<T>()?.slice(l.start_offset() + self.start * d..);
             // SAFETY: the kernel writes every chunk of every block.
             let mut out = unsafe { dev.alloc::<T>(b * self.len * d)? };
-            let func = dev.get_or_load_custom_func("copy_blocks16", "mmserve_row_copy", PTX)?;
+            let func = crate::launch::kernel!(MODULE, dev, "copy_blocks16")?;
             let mut builder = func.builder();
             builder.arg(&src).arg(&mut out).arg(&blocks).arg(&len).arg(&stride);
             // SAFETY: reads B runs of `len` chunks `stride` apart from the view's start (all
             // inside x), writes B · len chunks.
             unsafe { builder.launch(cfg) }.w()?;
-            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            crate::launch::storage(out, &dev)
         });
         Ok((out, Shape::from((b, self.len, d))))
     }
@@ -84,7 +84,7 @@ impl CustomOp1 for RowsOfEach {
 /// Runs the copy on `device` against candle's narrow on the CPU (every float dtype, a
 /// view that starts past its storage's start, and a shape the fallback takes): a line per
 /// case that differs.
-pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
     let mut bad = Vec::new();
     if !device.is_cuda() {
         return Ok(bad);

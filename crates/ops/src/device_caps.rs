@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::sys;
 
 /// Whether `device` runs sm_90a code (compute capability exactly 9.0): the warp-group
 /// kernels (`flash_wgmma.cu`, `gemm_wgmma.cu`) load there alone.
-pub(crate) fn is_sm90(device: &Device) -> bool {
+pub fn is_sm90(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -27,7 +27,7 @@ pub(crate) fn is_sm90(device: &Device) -> bool {
 
 /// The SMs of `dev` (132 on the H100 and H200, the guess if the driver will not say).
 #[cfg(feature = "cuda")]
-pub(crate) fn sm_count(dev: &candle_core::CudaDevice) -> usize {
+pub fn sm_count(dev: &candle_core::CudaDevice) -> usize {
     static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *SMS.get_or_init(|| {
         let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;

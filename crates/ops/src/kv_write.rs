@@ -8,7 +8,7 @@
 
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor};
 
-use crate::ModelError;
+use crate::OpError;
 #[cfg(feature = "cuda")]
 use candle_core::backend::BackendStorage;
 #[cfg(feature = "cuda")]
@@ -18,7 +18,7 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// `pool` [num_blocks, kv_heads, block_size, head_dim] ← `src` [n, kv_heads, head_dim]
 /// at `slots` [n] (u32: `block · block_size + row`).
-pub(crate) struct WriteKv;
+pub struct WriteKv;
 
 struct Dims {
     n: usize,
@@ -96,11 +96,11 @@ impl InplaceOp3 for WriteKv {
         slots: &candle_core::CudaStorage,
         lt: &Layout,
     ) -> candle_core::Result<()> {
-        const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_cache.ptx"));
+        const MODULE: crate::launch::Module = crate::launch::module!("kv_cache");
 
         let d = dims(lp, ls, lt)?;
         let dev = pool.device().clone();
-        let slots = slots.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
+        let slots = crate::launch::view::<u32>(slots, lt)?;
         if d.n * d.heads * d.head_dim == 0 {
             return Ok(());
         }
@@ -117,8 +117,8 @@ impl InplaceOp3 for WriteKv {
         let (rows_arg, heads, bs, words_arg) = (rows as i32, d.heads as i32, d.block_size as i32, words as i32);
         macro_rules! launch {
             ($t:ty, $kernel:expr) => {{
-                let func = dev.get_or_load_custom_func($kernel, "mmserve_kv_cache", PTX)?;
-                let s = src.as_cuda_slice::<$t>()?.slice(ls.start_offset()..);
+                let func = crate::launch::kernel!(MODULE, dev, $kernel)?;
+                let s = crate::launch::view::<$t>(src, ls)?;
                 let p = pool.as_cuda_slice_mut::<$t>()?;
                 let mut p = p.slice_mut(lp.start_offset()..);
                 let mut b = func.builder();
@@ -144,14 +144,14 @@ impl InplaceOp3 for WriteKv {
 }
 
 /// Writes `src` [n, kv_heads, head_dim] into `pool` at `slots` (u32 [n]).
-pub(crate) fn write_kv(pool: &Tensor, src: &Tensor, slots: &Tensor) -> Result<(), ModelError> {
+pub fn write_kv(pool: &Tensor, src: &Tensor, slots: &Tensor) -> Result<(), OpError> {
     Ok(pool.inplace_op3(src, slots, &WriteKv)?)
 }
 
 /// Runs the KV write on `device` against the CPU reference for every dtype, with odd
 /// sizes and a poisoned pool: the names of the dtypes whose results differ in any bit
 /// (empty when all agree).
-pub fn self_test(device: &candle_core::Device) -> Result<Vec<String>, ModelError> {
+pub fn self_test(device: &candle_core::Device) -> Result<Vec<String>, OpError> {
     use candle_core::{DType, Device};
     let (blocks, heads, bs, n) = (7, 3, 5, 13);
     // A fixed permutation of the 35 slots; the first 13 are written.
@@ -159,7 +159,7 @@ pub fn self_test(device: &candle_core::Device) -> Result<Vec<String>, ModelError
     let mut bad = Vec::new();
     // Rows of 9 values go element by element, of 16 values in 16-byte words.
     for (dtype, hd) in [DType::F32, DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, 9), (d, 16)]) {
-        let run = |dev: &Device| -> Result<Vec<f32>, ModelError> {
+        let run = |dev: &Device| -> Result<Vec<f32>, OpError> {
             let pool = Tensor::full(1234.5f32, (blocks, heads, bs, hd), dev)?.to_dtype(dtype)?;
             let src = Tensor::arange(0f32, (n * heads * hd) as f32, dev)?.reshape((n, heads, hd))?.to_dtype(dtype)?;
             write_kv(&pool, &src, &Tensor::new(slots.as_slice(), dev)?)?;

@@ -1,6 +1,6 @@
 //! Element types of the CPU twins of our kernels: rounding from the f32 they compute in.
 
-pub(crate) trait FromF32: Copy + Into<f32> {
+pub trait FromF32: Copy + Into<f32> {
     fn from_f32(x: f32) -> Self;
 }
 

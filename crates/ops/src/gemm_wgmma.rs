@@ -9,11 +9,11 @@
 //! ([`covers`]); `gemm_epilogue::linear_act` calls it first and its self-test checks it.
 //! On by default where it is compiled for (compute capability 9.0): CLIP-L's tower at 32
 //! images measured 23.5-24.0 ms against 24.0-24.5 for cuBLASLt and the pass on an H100,
-//! 23.6-23.7 against 23.9-24.9 on the H200 (2026-12-06). `MMSERVE_GEMM_WGMMA=0` turns it
-//! off, to weigh one path against the other.
+//! 23.6-23.7 against 23.9-24.9 on the H200 (2026-12-06). `Kernels::gemm_wgmma` (the
+//! `--no-gemm-wgmma` flag) turns it off, to weigh one path against the other.
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::launch;
+pub use cuda::launch;
 
 /// Fewest rows for which the persistent kernel is taken: it fills the GPU with 128×128
 /// output tiles, two a CTA at a time, and below a few waves of them cuBLASLt's choice of
@@ -21,41 +21,12 @@ pub(crate) use cuda::launch;
 #[cfg(feature = "cuda")]
 const MIN_ROWS: usize = 2048;
 
-/// 0: as `MMSERVE_GEMM_WGMMA` says; 1: on; 2: off ([`set_enabled`]).
-static SWITCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Turns the kernel on or off for the process (`None`: back to the environment's word),
-/// returning the previous setting; the self-test and the GEMM probe of `mmserve bench
-/// model` use it.
-pub fn set_enabled(on: Option<bool>) -> Option<bool> {
-    let v = match on {
-        None => 0,
-        Some(true) => 1,
-        Some(false) => 2,
-    };
-    match SWITCH.swap(v, std::sync::atomic::Ordering::Relaxed) {
-        1 => Some(true),
-        2 => Some(false),
-        _ => None,
-    }
-}
-
-/// Whether the kernel is switched on: [`set_enabled`], else unless `MMSERVE_GEMM_WGMMA=0`.
+/// Whether the kernel covers x [m, k] · w [n, k]ᵀ on `device`: compute capability 9.0
+/// (sm_90a code), K a multiple of 64, N of 128, enough rows (whether to take it is
+/// `Kernels::gemm_wgmma`).
 #[cfg(feature = "cuda")]
-fn enabled() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    match SWITCH.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => *ENV.get_or_init(|| std::env::var("MMSERVE_GEMM_WGMMA").map_or(true, |v| v != "0")),
-    }
-}
-
-/// Whether the kernel covers x [m, k] · w [n, k]ᵀ on `device` and is switched on: compute
-/// capability 9.0 (sm_90a code), K a multiple of 64, N of 128, enough rows.
-#[cfg(feature = "cuda")]
-pub(crate) fn covers(device: &candle_core::Device, m: usize, n: usize, k: usize) -> bool {
-    enabled() && m >= MIN_ROWS && n.is_multiple_of(128) && k.is_multiple_of(64) && crate::device_caps::is_sm90(device)
+pub fn covers(device: &candle_core::Device, m: usize, n: usize, k: usize) -> bool {
+    m >= MIN_ROWS && n.is_multiple_of(128) && k.is_multiple_of(64) && crate::device_caps::is_sm90(device)
 }
 
 #[cfg(feature = "cuda")]
@@ -64,7 +35,7 @@ mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg, sys};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gemm_wgmma.ptx"));
+    const MODULE: crate::launch::Module = crate::launch::module!("gemm_wgmma");
     /// The kernel's ring (GW_STAGES stages of a 128×64 x block and a 128×64 W block), its
     /// barriers, and 1024 bytes to align the ring to the swizzle's period.
     const SHARED: usize = 1024 + 6 * 2 * 128 * 64 * 2 + 2 * 6 * 8;
@@ -116,7 +87,7 @@ mod cuda {
     /// of `dtype` holding [m, k], [n, k], [n] and [m, n] values, in use by nothing else on
     /// another stream, and [`super::covers`] must hold for the shape.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn launch(
+    pub unsafe fn launch(
         dev: &candle_core::CudaDevice,
         act: Option<&str>,
         dtype: DType,
@@ -136,7 +107,7 @@ mod cuda {
             Some(a @ ("quick_gelu" | "gelu_erf")) => a,
             Some(other) => candle_core::bail!("gemm_wgmma: no epilogue for {other}"),
         };
-        let func = dev.get_or_load_custom_func(&format!("gemm_{stem}_{suffix}"), "mmserve_gemm_wgmma", PTX)?;
+        let func = crate::launch::kernel!(MODULE, dev, &format!("gemm_{stem}_{suffix}"))?;
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         func.set_attribute(attr, SHARED as i32).w()?;
         let sms = crate::device_caps::sm_count(dev);

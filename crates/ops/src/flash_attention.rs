@@ -14,7 +14,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
-use crate::ModelError;
+use crate::OpError;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 #[cfg(feature = "cuda")]
@@ -24,30 +24,10 @@ use candle_core::cuda_backend::WrapErr;
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, sys};
 
-/// Whether the kernel covers this dtype and head dim on this device, and is switched on:
-/// `MMSERVE_FLASH=0` or [`set_enabled`] turn it off (the GEMM-and-softmax path), so that
-/// benchmarks can weigh and compare one against the other.
+/// Whether the kernels cover this dtype and head dim on this device (the caller decides
+/// whether to take them: `Kernels::flash_attention`).
 pub fn applies(device: &Device, dtype: DType, head_dim: usize) -> bool {
-    enabled() && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
-}
-
-/// 0: not set (`MMSERVE_FLASH` decides), 1: on, 2: off.
-static SWITCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-fn enabled() -> bool {
-    match SWITCH.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("MMSERVE_FLASH").map_or(true, |v| v != "0");
-            SWITCH.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
-            on
-        }
-        s => s == 1,
-    }
-}
-
-/// Turns flash attention on or off for the whole process (benchmarks only).
-pub fn set_enabled(on: bool) {
-    SWITCH.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
 }
 
 /// `body` with `T` the element type of a 16-bit float `dtype` and `SUFFIX` its name in
@@ -71,92 +51,71 @@ macro_rules! by_half {
     };
 }
 
-/// Row tiles of 16 a warp takes: 2 unless `MMSERVE_FLASH_TILES=1` (both are compiled, for
-/// benchmarking one against the other).
-fn row_tiles() -> usize {
-    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILES.get_or_init(|| std::env::var("MMSERVE_FLASH_TILES").map_or(2, |v| if v == "1" { 1 } else { 2 }))
-}
+/// Row tiles of 16 a warp of the mma.sync kernels takes: each K/V fragment feeds twice
+/// the MMAs of one tile (one tile a warp lost every A/B and is no longer compiled).
+#[cfg(feature = "cuda")]
+const ROW_TILES: usize = 2;
 
 /// Which kernel runs the encoders' dense attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kernel {
-    /// `flash_attention.cu`: mma.sync, warps of `tiles` row tiles of 16.
-    Mma { tiles: usize },
+    /// `flash_attention.cu`: mma.sync, warps of [`ROW_TILES`] row tiles of 16.
+    Mma,
     /// `flash_wgmma.cu` (compute capability 9.0, head dim 64): warp-group MMAs, CTAs of
-    /// `groups` warp groups (1 or 2); `pipe`: a tile's scores overlap the previous tile's P·V.
-    Wgmma { groups: usize, pipe: bool },
+    /// two warp groups, a tile's scores overlapping the previous tile's P·V.
+    Wgmma,
 }
 
-/// The dense kernel for `head_dim` on `device`: the warp-group one where it exists (head dim
-/// 64 on compute capability 9.0) unless `MMSERVE_FLASH_WGMMA=0`, else mma.sync. Its CTAs
-/// hold two warp groups unless `MMSERVE_FLASH_WGMMA_GROUPS=1` and are pipelined unless
-/// `MMSERVE_FLASH_WGMMA_PIPE=0` (all four are compiled, to be weighed against each other).
+/// The dense kernel for `head_dim` on `device`: the warp-group one where it exists (head
+/// dim 64 on compute capability 9.0), else mma.sync.
 fn dense_kernel(device: &Device, head_dim: usize) -> Kernel {
-    static WANTED: std::sync::OnceLock<Option<(usize, bool)>> = std::sync::OnceLock::new();
-    let wanted = *WANTED.get_or_init(|| {
-        let on = std::env::var("MMSERVE_FLASH_WGMMA").map_or(true, |v| v != "0");
-        let groups = if std::env::var("MMSERVE_FLASH_WGMMA_GROUPS").is_ok_and(|v| v == "1") { 1 } else { 2 };
-        let pipe = std::env::var("MMSERVE_FLASH_WGMMA_PIPE").map_or(true, |v| v != "0");
-        on.then_some((groups, pipe))
-    });
-    match wanted {
-        Some((groups, pipe)) if head_dim == 64 && crate::device_caps::is_sm90(device) => Kernel::Wgmma { groups, pipe },
-        _ => Kernel::Mma { tiles: row_tiles() },
-    }
+    if head_dim == 64 && crate::device_caps::is_sm90(device) { Kernel::Wgmma } else { Kernel::Mma }
 }
 
-/// Loads the warp-group kernel and its grid: a CTA (`groups` warp groups) per 64 · groups
-/// queries, per head and per batch row; `pipe`: the pipelined one.
+/// Loads the warp-group kernel and its grid: a CTA (two warp groups) per 128 queries, per
+/// head and per batch row.
 #[cfg(feature = "cuda")]
 fn load_wgmma(
     dev: &candle_core::CudaDevice,
     g: &Geometry,
     suffix: &str,
-    groups: usize,
-    pipe: bool,
 ) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_wgmma.ptx"));
-    let stages = if pipe { 3 } else { 2 }; // FW_STAGES(pipe)
-    let rows = 64 * groups;
-    let name = format!("flash_wgmma{}{}_{suffix}", if groups == 1 { "1" } else { "" }, if pipe { "_pipe" } else { "" });
-    let func = dev.get_or_load_custom_func(&name, "mmserve_flash_wgmma", PTX)?;
+    const MODULE: crate::launch::Module = crate::launch::module!("flash_wgmma");
+    const GROUPS: usize = 2; // FW_GROUPS
+    const STAGES: usize = 3; // FW_STAGES
+    let rows = 64 * GROUPS;
+    let func = crate::launch::kernel!(MODULE, dev, &format!("flash_wgmma_{suffix}"))?;
     // 1024 bytes to align the tiles, the queries, and the K/V ring: 128-byte rows.
-    let smem = 1024 + (rows + 2 * stages * 64) * 128;
+    let smem = 1024 + (rows + 2 * STAGES * 64) * 128;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     func.set_attribute(attr, smem as i32).w()?;
     let cfg = LaunchConfig {
         grid_dim: (g.n_q.div_ceil(rows) as u32, g.heads as u32, g.batch as u32),
-        block_dim: (128 * groups as u32, 1, 1),
+        block_dim: (128 * GROUPS as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     Ok((func.into_cuda_function(), cfg))
 }
 
-/// Loads `{name}_{head_dim}_{row tiles}`, lets it take the shared memory it needs, and the
-/// grid: a CTA per 64 · row tiles queries, per head and per batch row.
+/// Loads `{name}_{head_dim}`, lets it take the shared memory it needs, and the grid: a CTA
+/// per 64 · [`ROW_TILES`] queries, per head and per batch row.
 #[cfg(feature = "cuda")]
-fn load(
-    dev: &candle_core::CudaDevice,
-    g: &Geometry,
-    name: &str,
-    tiles: usize,
-) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx"));
+fn load(dev: &candle_core::CudaDevice, g: &Geometry, name: &str) -> candle_core::Result<(CudaFunction, LaunchConfig)> {
+    const MODULE: crate::launch::Module = crate::launch::module!("flash_attention");
     const KEYS: usize = 64; // FA_BC
-    if !matches!((g.head_dim, tiles), (64 | 128, 1 | 2)) {
-        candle_core::bail!("flash attention: head dim {} with {tiles} row tiles is not compiled", g.head_dim);
+    const TILES: usize = ROW_TILES;
+    if !matches!(g.head_dim, 64 | 128) {
+        candle_core::bail!("flash attention: head dim {} is not compiled", g.head_dim);
     }
-    let func =
-        dev.get_or_load_custom_func(&format!("{name}_{}_{tiles}", g.head_dim), "mmserve_flash_attention", PTX)?;
+    let func = crate::launch::kernel!(MODULE, dev, &format!("{name}_{}", g.head_dim))?;
     // K and V tiles, double-buffered, rows padded by 8; at head dim 128 with two row tiles
     // also the CTA's queries (`QS` in the kernel).
-    let queries = if g.head_dim > 64 && tiles > 1 { 64 * tiles } else { 0 };
+    let queries = if g.head_dim > 64 { 64 * TILES } else { 0 };
     let smem = (2 * 2 * KEYS + queries) * (g.head_dim + 8) * 2;
     let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     func.set_attribute(attr, smem as i32).w()?;
     let cfg = LaunchConfig {
-        grid_dim: (g.n_q.div_ceil(64 * tiles) as u32, g.heads as u32, g.batch as u32),
+        grid_dim: (g.n_q.div_ceil(64 * TILES) as u32, g.heads as u32, g.batch as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -289,11 +248,11 @@ impl CustomOp1 for Packed {
         let scale = self.scale * std::f32::consts::LOG2_E;
         let out = by_half!(s.dtype(), |T, SUFFIX| {
             let (func, cfg) = match self.kernel {
-                Kernel::Mma { tiles } => load(&dev, &g, &format!("flash_dense_{SUFFIX}"), tiles)?,
-                Kernel::Wgmma { groups, pipe } if g.head_dim == 64 => load_wgmma(&dev, &g, SUFFIX, groups, pipe)?,
-                Kernel::Wgmma { .. } => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
+                Kernel::Mma => load(&dev, &g, &format!("flash_dense_{SUFFIX}"))?,
+                Kernel::Wgmma if g.head_dim == 64 => load_wgmma(&dev, &g, SUFFIX)?,
+                Kernel::Wgmma => candle_core::bail!("flash wgmma: head dim {} is not 64", g.head_dim),
             };
-            let qkv = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            let qkv = crate::launch::view::<T>(s, l)?;
             let (k, v) = (qkv.slice(width..), qkv.slice(2 * width..));
             // SAFETY: the kernel writes every row of every head.
             let mut out = unsafe { dev.alloc::<T>(g.batch * g.n_q * width)? };
@@ -304,21 +263,21 @@ impl CustomOp1 for Packed {
             // SAFETY: rows `b · N + i < B · N` of qkv at columns below 3 · width are read,
             // rows of out [B · N, width] written; `geometry` checked the shapes.
             unsafe { b.launch(cfg) }.w()?;
-            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            crate::launch::storage(out, &dev)
         });
         Ok((out, Shape::from((g.batch * g.n_q, width))))
     }
 }
 
 /// One sequence's block table on the device, checked once for all the layers of a step.
-pub(crate) struct PagedTable {
+pub struct PagedTable {
     table: Tensor,
     blocks: usize,
     max_block: u32,
 }
 
 impl PagedTable {
-    pub(crate) fn new(blocks: &[u32], device: &Device) -> candle_core::Result<Self> {
+    pub fn new(blocks: &[u32], device: &Device) -> candle_core::Result<Self> {
         let max_block = blocks.iter().copied().max().unwrap_or(0);
         Ok(PagedTable { table: Tensor::new(blocks, device)?, blocks: blocks.len(), max_block })
     }
@@ -330,9 +289,6 @@ struct Paged<'a> {
     table: &'a PagedTable,
     past: usize,
     scale: f32,
-    /// Row tiles of 16 a warp takes on the GPU.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    tiles: usize,
 }
 
 impl Paged<'_> {
@@ -397,17 +353,17 @@ impl CustomOp3 for Paged<'_> {
         let candle_core::Storage::Cuda(ts) = &*ts else {
             candle_core::bail!("flash paged: the table is not on the GPU")
         };
-        let table = ts.as_cuda_slice::<u32>()?.slice(tl.start_offset()..);
+        let table = crate::launch::view::<u32>(ts, tl)?;
         let dev = q.device().clone();
         let row = (g.heads * g.head_dim) as i64;
         let (bs, kvh, n_q, n_k) = (bs as i32, g.kv_heads as i32, g.n_q as i32, g.n_k as i32);
         let (group, past) = ((g.heads / g.kv_heads) as i32, self.past as i32);
         let scale = self.scale * std::f32::consts::LOG2_E;
         let out = by_half!(q.dtype(), |T, SUFFIX| {
-            let (func, cfg) = load(&dev, &g, &format!("flash_paged_{SUFFIX}"), self.tiles)?;
-            let q = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
-            let k = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
-            let v = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+            let (func, cfg) = load(&dev, &g, &format!("flash_paged_{SUFFIX}"))?;
+            let q = crate::launch::view::<T>(q, lq)?;
+            let k = crate::launch::view::<T>(k, lk)?;
+            let v = crate::launch::view::<T>(v, lv)?;
             // SAFETY: the kernel writes every row of every head.
             let mut out = unsafe { dev.alloc::<T>(g.n_q * g.heads * g.head_dim)? };
             let stream = dev.cuda_stream();
@@ -418,7 +374,7 @@ impl CustomOp3 for Paged<'_> {
             // rows; the pool is read only in the blocks the table names for keys < n_k, which
             // `geometry` checked against the pool and the table's length.
             unsafe { b.launch(cfg) }.w()?;
-            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone())
+            crate::launch::storage(out, &dev)
         });
         Ok((out, Shape::from((g.n_q, g.heads * g.head_dim))))
     }
@@ -426,14 +382,14 @@ impl CustomOp3 for Paged<'_> {
 
 /// `softmax(scale · q·kᵀ)·v` of the encoder: `qkv` [B·N, 3·H·hd] (q, k and v side by side)
 /// → [B·N, H·hd], every query over every key of its item.
-pub(crate) fn packed(qkv: &Tensor, batch: usize, n: usize, heads: usize, scale: f32) -> candle_core::Result<Tensor> {
+pub fn packed(qkv: &Tensor, batch: usize, n: usize, heads: usize, scale: f32) -> candle_core::Result<Tensor> {
     let kernel = dense_kernel(qkv.device(), qkv.dim(1)? / 3 / heads.max(1));
     qkv.apply_op1_no_bwd(&Packed { batch, n, heads, scale, kernel })
 }
 
 /// Prefill attention of one sequence: `q` [n, H, hd] at positions `past..past + n` over the
 /// pool's `k`, `v` [num_blocks, kv_heads, block_size, hd] through `table` → [n, H · hd].
-pub(crate) fn paged(
+pub fn paged(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -441,8 +397,7 @@ pub(crate) fn paged(
     past: usize,
     scale: f32,
 ) -> candle_core::Result<Tensor> {
-    let tiles = row_tiles();
-    q.contiguous()?.apply_op3_no_bwd(k, v, &Paged { table, past, scale, tiles })
+    q.contiguous()?.apply_op3_no_bwd(k, v, &Paged { table, past, scale })
 }
 
 /// Runs both ops on `device` against their CPU twins on random inputs (odd lengths, the
@@ -450,7 +405,7 @@ pub(crate) fn paged(
 /// before the new ones) in bf16 and f16: a line per case whose results differ by more than
 /// the output's rounding. Blocks outside the table and the slots past the last key hold
 /// NaN, so a read of either shows.
-pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
     let mut bad = Vec::new();
     let mut seed = 0x5EED_F1A5_u64;
     let mut uniform = move |n: usize| -> Vec<f32> {
@@ -472,17 +427,15 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
             [(2, 77, 3, 64), (1, 130, 2, 128), (3, 5, 1, 64), (2, 577, 2, 64), (1, 144, 2, 64), (1, 145, 1, 64)];
         for (i, &(batch, n, heads, hd)) in cases.iter().enumerate() {
             let x = uniform(batch * n * 3 * heads * hd);
-            let run = |dev: &Device, kernel: Kernel| -> Result<Vec<f32>, ModelError> {
+            let run = |dev: &Device, kernel: Kernel| -> Result<Vec<f32>, OpError> {
                 let qkv = Tensor::from_slice(&x, (batch * n, 3 * heads * hd), dev)?.to_dtype(dtype)?;
                 let op = Packed { batch, n, heads, scale: (hd as f32).powf(-0.5), kernel };
                 Ok(qkv.apply_op1_no_bwd(&op)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
             };
-            let want = run(&Device::Cpu, Kernel::Mma { tiles: 1 })?;
-            let mut kernels = vec![Kernel::Mma { tiles: 1 }, Kernel::Mma { tiles: 2 }];
+            let want = run(&Device::Cpu, Kernel::Mma)?;
+            let mut kernels = vec![Kernel::Mma];
             if hd == 64 && crate::device_caps::is_sm90(device) {
-                for groups in [1, 2] {
-                    kernels.extend([false, true].map(|pipe| Kernel::Wgmma { groups, pipe }));
-                }
+                kernels.push(Kernel::Wgmma);
             }
             for kernel in kernels {
                 if let Some(line) = judge(&run(device, kernel)?, &want, dtype) {
@@ -512,21 +465,19 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
                 v
             };
             let (q, k, v) = (uniform(n * heads * hd), poison(uniform(pool_len)), poison(uniform(pool_len)));
-            let run = |dev: &Device, tiles: usize| -> Result<Vec<f32>, ModelError> {
-                let pool = |x: &[f32]| -> Result<Tensor, ModelError> {
+            let run = |dev: &Device| -> Result<Vec<f32>, OpError> {
+                let pool = |x: &[f32]| -> Result<Tensor, OpError> {
                     Ok(Tensor::from_slice(x, (blocks, kv_heads, bs, hd), dev)?.to_dtype(dtype)?)
                 };
                 let q = Tensor::from_slice(&q, (n, heads, hd), dev)?.to_dtype(dtype)?;
                 let table = PagedTable::new(&table, dev)?;
-                let op = Paged { table: &table, past, scale: (hd as f32).powf(-0.5), tiles };
+                let op = Paged { table: &table, past, scale: (hd as f32).powf(-0.5) };
                 let out = q.apply_op3_no_bwd(&pool(&k)?, &pool(&v)?, &op)?;
                 Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
             };
-            let want = run(&Device::Cpu, 1)?;
-            for tiles in 1..=2 {
-                if let Some(line) = judge(&run(device, tiles)?, &want, dtype) {
-                    bad.push(format!("paged case {i} {dtype:?} {tiles} row tiles: {line}"));
-                }
+            let want = run(&Device::Cpu)?;
+            if let Some(line) = judge(&run(device)?, &want, dtype) {
+                bad.push(format!("paged case {i} {dtype:?}: {line}"));
             }
         }
     }
@@ -617,10 +568,5 @@ mod tests {
         assert!(paged(&q, &k, &k, &PagedTable::new(&[0], &dev).unwrap(), 2, 1.0).is_err(), "5 keys, 4 slots");
         assert!(paged(&q, &k, &k, &PagedTable::new(&[0, 2], &dev).unwrap(), 2, 1.0).is_err(), "block 2 of 2");
         assert!(paged(&q, &k, &k, &PagedTable::new(&[1, 0], &dev).unwrap(), 2, 1.0).is_ok());
-    }
-
-    #[test]
-    fn self_test_compares_the_cpu_with_itself() {
-        assert!(self_test(&Device::Cpu).unwrap().is_empty());
     }
 }

@@ -9,7 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 
-use crate::ModelError;
+use crate::OpError;
 
 /// One row's settings, as the host sampler applies them, with its uniform draw.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -37,11 +37,11 @@ impl SampleSettings {
 }
 
 /// The token each row of `logits` [rows, vocab] samples under its settings.
-pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>, ModelError> {
+pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>, OpError> {
     let logits = logits.to_dtype(DType::F32)?.contiguous()?;
     let (n, _) = logits.dims2()?;
     if n != rows.len() {
-        return Err(ModelError::InvalidInput(format!("{n} rows of logits for {} settings", rows.len())));
+        return Err(OpError::InvalidInput(format!("{n} rows of logits for {} settings", rows.len())));
     }
     if n == 0 {
         return Ok(Vec::new());
@@ -49,7 +49,7 @@ pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>,
     // A zero or non-finite temperature would leave no weight at all (the engine takes
     // the argmax for those instead).
     if let Some(bad) = rows.iter().find(|s| !(s.temperature > 0.0 && (1.0 / s.temperature).is_finite())) {
-        return Err(ModelError::InvalidInput(format!("sampling at temperature {}", bad.temperature)));
+        return Err(OpError::InvalidInput(format!("sampling at temperature {}", bad.temperature)));
     }
     let params: Vec<f64> = rows.iter().flat_map(SampleSettings::params).collect();
     Ok(logits.apply_op1_no_bwd(&SampleRows { params })?.to_vec1::<u32>()?)
@@ -58,7 +58,7 @@ pub fn sample_rows(logits: &Tensor, rows: &[SampleSettings]) -> Result<Vec<u32>,
 /// The argmax of each row of `logits` [rows, vocab] where the logits are: the first index
 /// on ties, as the host's argmax and torch.argmax (NaN loses to every number). Our kernel
 /// on the GPU: candle's took 28 µs for one row of 32,000, a twentieth of a 7B decode step.
-pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, ModelError> {
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>, OpError> {
     let logits = logits.to_dtype(DType::F32)?.contiguous()?;
     if logits.dims2()?.0 == 0 {
         return Ok(Vec::new());
@@ -108,17 +108,17 @@ impl CustomOp1 for ArgmaxRows {
             candle_core::bail!("argmax_rows: rows of {n} logits");
         }
         let dev = s.device().clone();
-        let x = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        let x = crate::launch::view::<f32>(s, l)?;
         // SAFETY: the kernel writes one id per row.
         let mut out = unsafe { dev.alloc::<u32>(rows)? };
-        let func = dev.get_or_load_custom_func("argmax_rows", "mmserve_sampling", PTX)?;
+        let func = crate::launch::kernel!(MODULE, dev, "argmax_rows")?;
         let mut b = func.builder();
         let n_arg = n as i32;
         b.arg(&x).arg(&n_arg).arg(&mut out);
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: block r reads row r of x (n values) and writes out[r].
         unsafe { b.launch(cfg) }.w()?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+        Ok((crate::launch::storage(out, &dev), Shape::from(rows)))
     }
 }
 
@@ -220,13 +220,13 @@ impl CustomOp1 for SampleRows {
 
         let (rows, n) = l.shape().dims2()?;
         let dev = s.device().clone();
-        let x = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        let x = crate::launch::view::<f32>(s, l)?;
         let params = dev.clone_htod(&self.params)?;
         // SAFETY: the kernel writes every row's weights before reading them.
         let mut weights = unsafe { dev.alloc::<f32>(rows * n)? };
         // SAFETY: the kernel writes one id per row.
         let mut out = unsafe { dev.alloc::<u32>(rows)? };
-        let func = dev.get_or_load_custom_func("sample_rows", "mmserve_sampling", PTX)?;
+        let func = crate::launch::kernel!(MODULE, dev, "sample_rows")?;
         let mut b = func.builder();
         let n_arg = n as i32;
         b.arg(&x).arg(&n_arg).arg(&params).arg(&mut weights).arg(&mut out);
@@ -234,17 +234,17 @@ impl CustomOp1 for SampleRows {
         // SAFETY: block r reads row r of x (n values) and its 5 parameters, and writes row
         // r of the weights and out[r].
         unsafe { b.launch(cfg) }.w()?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+        Ok((crate::launch::storage(out, &dev), Shape::from(rows)))
     }
 }
 
 #[cfg(feature = "cuda")]
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx"));
+const MODULE: crate::launch::Module = crate::launch::module!("sampling");
 
 /// Runs the kernels on `device` against their CPU twins: random rows (odd widths, ties,
 /// masked tokens) under every filter and extreme draws, and their argmax (with NaN too).
 /// A line per row that differs.
-pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
     let settings = |temperature, top_k, min_p, top_p, u| SampleSettings { temperature, top_k, min_p, top_p, u };
     let cases = [
         settings(1.0, 0, 0.0, 1.0, 0.5),

@@ -12,8 +12,8 @@
 //! earlier kernel of the stream has completed too. Kernels launched the ordinary way
 //! (candle's) wait for full completion as always.
 //!
-//! `MMSERVE_PDL=0` launches the same kernels without the attribute, for benchmarking; the
-//! device instructions are then no-ops.
+//! On devices older than compute capability 9.0 the attribute is left off and the device
+//! instructions are no-ops.
 
 use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -23,14 +23,13 @@ use candle_core::cuda_backend::cudarc::driver::{
 /// The most parameters a kernel launched through [`Launch`] takes.
 const MAX_ARGS: usize = 20;
 
-/// Whether launches carry the PDL attribute: on unless `MMSERVE_PDL=0`, and only on
-/// devices of compute capability 9.0 or newer.
+/// Whether launches carry the PDL attribute: on devices of compute capability 9.0 or newer
+/// (a 7B decode step at batch 1 went from 4.62 to 4.03 ms with it on the H200).
 fn enabled(stream: &CudaStream) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        let wanted = std::env::var("MMSERVE_PDL").map_or(true, |v| v != "0");
         let major = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR;
-        wanted && stream.context().attribute(major).is_ok_and(|m| m >= 9)
+        stream.context().attribute(major).is_ok_and(|m| m >= 9)
     })
 }
 
@@ -38,7 +37,7 @@ fn enabled(stream: &CudaStream) -> bool {
 /// parameter's own size from the slot's start; little-endian, so a 4-byte value is its
 /// first 4 bytes), and the stream-ordering guards of the device buffers it touches (in
 /// place, not on the heap: a decode step makes ~290 of these).
-pub(crate) struct Launch<'a> {
+pub struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     slots: [u64; MAX_ARGS],
@@ -47,7 +46,7 @@ pub(crate) struct Launch<'a> {
 }
 
 /// A kernel parameter: a device buffer (its address) or a scalar.
-pub(crate) trait Arg<'a> {
+pub trait Arg<'a> {
     /// The parameter's bits, and for a device buffer its ordering guard.
     fn bits(self, stream: &'a CudaStream) -> (u64, Option<SyncOnDrop<'a>>);
 }
@@ -89,13 +88,13 @@ scalar_arg!(
 );
 
 impl<'a> Launch<'a> {
-    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
+    pub fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
         Self { stream, func, slots: [0; MAX_ARGS], guards: Default::default(), len: 0 }
     }
 
     /// Appends the next parameter (in the kernel signature's order). Past [`MAX_ARGS`] the
     /// launch fails.
-    pub(crate) fn arg(&mut self, arg: impl Arg<'a>) -> &mut Self {
+    pub fn arg(&mut self, arg: impl Arg<'a>) -> &mut Self {
         let (bits, guard) = arg.bits(self.stream);
         if let (Some(slot), Some(g)) = (self.slots.get_mut(self.len), self.guards.get_mut(self.len)) {
             *slot = bits;
@@ -113,7 +112,7 @@ impl<'a> Launch<'a> {
     /// number, order and size, and the kernel stays inside the buffers it is given. On top
     /// of that the kernel keeps this module's contract (nothing but weights touched before
     /// its `pdl_wait()`).
-    pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> candle_core::Result<()> {
+    pub unsafe fn launch(mut self, cfg: LaunchConfig) -> candle_core::Result<()> {
         if self.len > MAX_ARGS {
             candle_core::bail!("pdl::Launch: {} parameters, at most {MAX_ARGS}", self.len);
         }

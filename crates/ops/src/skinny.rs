@@ -1,4 +1,4 @@
-//! `x·Wᵀ (+ b)` for at most 8 rows of x on the GPU (`kernels/skinny.cu`): a decode step's
+//! `x·Wᵀ (+ b)` for one or two rows of x on the GPU (`kernels/skinny.cu`): a decode step's
 //! linear layers, where the weights are read once and every byte of HBM bandwidth counts.
 //! cuBLAS picks split-K kernels plus a reduce for several of these shapes and reaches
 //! 55-90% of bandwidth; this streams each weight row once in 16-byte loads. bf16 and f16
@@ -7,46 +7,36 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
-use crate::ModelError;
+use crate::OpError;
 #[cfg(feature = "cuda")]
 use crate::dispatch::by_float;
 use crate::dispatch::cpu_float;
 use crate::elem::FromF32;
 
-/// Most rows of x the kernel takes: 2 unless `MMSERVE_SKINNY_MAX_ROWS` (0 to 8) says
-/// otherwise, for benchmarking it against cuBLAS. Measured on the H200 (llava-1.5-7b
-/// shapes, bf16, with PDL and the fused SiLU): decode steps 5% faster at two rows than
-/// cuBLAS's (4.52 against 4.76 ms), 1% slower at four, 54% slower at eight, where cuBLAS's
-/// tiles reuse each weight load across rows better. (Twice the weight rows a warp from 3
-/// rows of x did not change that.)
-fn max_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| std::env::var("MMSERVE_SKINNY_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(2).min(8))
-}
+/// Most rows of x the kernel takes. Measured on the H200 (llava-1.5-7b shapes, bf16, with
+/// PDL and the fused SiLU): decode steps 5% faster at two rows than cuBLAS's (4.52 against
+/// 4.76 ms), 1% slower at four, 54% slower at eight, where cuBLAS's tiles reuse each weight
+/// load across rows better (twice the weight rows a warp from 3 rows of x did not change
+/// that); only one and two rows are compiled.
+const MAX_ROWS: usize = 2;
+
+/// Gate/up row pairs a warp of the SiLU kernel takes: on the H200 at 7B shapes a decode
+/// step of batch 1 took 4.544 ms with 2, 4.705 ms with 1 and 4.586 ms unfused.
+const SILU_PAIRS: usize = 2;
 
 /// `x [M, K] · w [N, K]ᵀ (+ bias [N])` where the kernel applies (see the module doc),
 /// else `None`.
-pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
-    linear_upto(x, w, bias, max_rows())
+pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
+    linear_upto(x, w, bias, MAX_ROWS)
 }
 
 /// `silu(g) · u` of `x·Wᵀ (+ bias)` = `[g | u]` for W the gate and up projections
 /// stacked ([2I, K]): [M, I], in one launch, where the kernel applies, else `None`.
-pub(crate) fn linear_silu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
-    let pairs = silu_pairs();
-    if pairs == 0 || !w.dim(0)?.is_multiple_of(2) || !fits(x, w, bias, max_rows())? {
+pub fn linear_silu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
+    if !w.dim(0)?.is_multiple_of(2) || !fits(x, w, bias, MAX_ROWS)? {
         return Ok(None);
     }
-    Ok(Some(apply(x, w, bias, pairs)?))
-}
-
-/// Gate/up row pairs a warp of the SiLU kernel takes: `MMSERVE_SKINNY_SILU` = 1 or 2
-/// (default 2: on the H200 at 7B shapes a decode step of batch 1 took 4.544 ms with 2,
-/// 4.705 ms with 1 and 4.586 ms unfused); 0 leaves the product to a GEMV then
-/// `silu_mul`, for benchmarking.
-fn silu_pairs() -> usize {
-    static PAIRS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PAIRS.get_or_init(|| std::env::var("MMSERVE_SKINNY_SILU").ok().and_then(|v| v.parse().ok()).unwrap_or(2).min(2))
+    Ok(Some(apply(x, w, bias, SILU_PAIRS)?))
 }
 
 /// Whether the kernel takes `x·Wᵀ (+ bias)` for up to `rows` rows of x.
@@ -55,7 +45,7 @@ fn fits(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_co
     let aligned =
         |t: &Tensor| t.is_contiguous() && (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     Ok(x.device().is_cuda()
-        && (1..=rows.min(8)).contains(&m)
+        && (1..=rows.min(MAX_ROWS)).contains(&m)
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
         && bias.is_none_or(|b| b.dtype() == x.dtype() && b.is_contiguous())
@@ -65,7 +55,7 @@ fn fits(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_co
         && aligned(w))
 }
 
-/// [`linear`] for up to `rows` rows of x (the self-test runs every compiled count).
+/// [`linear`] for up to `rows` rows of x.
 fn linear_upto(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, rows: usize) -> candle_core::Result<Option<Tensor>> {
     if !fits(x, w, bias, rows)? {
         return Ok(None);
@@ -175,13 +165,13 @@ impl CustomOp3 for Skinny {
         };
         let (n_arg, k_arg) = (n as i32, k as i32);
         let out = by_float!(x.dtype(), "skinny_linear", |T, SUFFIX| {
-            let x = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
-            let w = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
-            let b = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+            let x = crate::launch::view::<T>(x, lx)?;
+            let w = crate::launch::view::<T>(w, lw)?;
+            let b = crate::launch::view::<T>(b, lb)?;
             // SAFETY: the kernel writes every element of [m, n_out].
             let mut y = unsafe { dev.alloc::<T>(m * n_out)? };
             let name = format!("skinny_{}{SUFFIX}_{m}_{per_warp}", if silu { "silu_" } else { "" });
-            let func = dev.get_or_load_custom_func(&name, "mmserve_skinny", PTX)?;
+            let func = crate::launch::kernel!(MODULE, dev, &name)?;
             let mut l = pdl::Launch::new(&stream, &func);
             l.arg(&x).arg(&w);
             match self.bias {
@@ -193,19 +183,19 @@ impl CustomOp3 for Skinny {
             // of 8, checked by `fits`) and [n] of the bias; writes [m, n_out]; touches
             // nothing before its PDL wait.
             unsafe { l.launch(cfg) }?;
-            candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone())
+            crate::launch::storage(y, &dev)
         });
         Ok((out, Shape::from((m, n_out))))
     }
 }
 
 #[cfg(feature = "cuda")]
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/skinny.ptx"));
+const MODULE: crate::launch::Module = crate::launch::module!("skinny");
 
-/// The kernel on `device` against the CPU twin (bf16 and f16, 1 to 8 rows, odd N, with
-/// and without a bias, plain and with silu_mul): a line per case beyond two units in the
+/// The kernel on `device` against the CPU twin (bf16 and f16, every compiled row count,
+/// odd N, with and without a bias, plain and with silu_mul): a line per case beyond two units in the
 /// last place.
-pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
+pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
     let mut bad = Vec::new();
     if !device.is_cuda() {
         // The twin is the reference; only the kernel has anything to show.
@@ -219,23 +209,23 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, ModelError> {
     Ok(bad)
 }
 
-fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String>) -> Result<(), ModelError> {
+fn check(device: &Device, n: usize, k: usize, dtype: DType, bad: &mut Vec<String>) -> Result<(), OpError> {
     let ulp = if dtype == DType::BF16 { 2f32.powi(-7) } else { 2f32.powi(-10) };
-    let rand = |shape: (usize, usize)| -> Result<Tensor, ModelError> {
+    let rand = |shape: (usize, usize)| -> Result<Tensor, OpError> {
         Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
     };
     let (w, b) = (rand((n, k))?, rand((1, n))?.flatten_all()?);
-    for m in [1, 3, 8] {
+    for m in 1..=MAX_ROWS {
         let x = rand((m, k))?;
-        for (bias, pairs) in [(None, 0), (Some(&b), 0), (None, 1), (Some(&b), 1), (Some(&b), 2)] {
+        for (bias, pairs) in [(None, 0), (Some(&b), 0), (None, SILU_PAIRS), (Some(&b), SILU_PAIRS)] {
             if pairs > 0 && !n.is_multiple_of(2) {
                 continue;
             }
             let (xd, wd, bd) = (x.to_device(device)?, w.to_device(device)?, b.to_device(device)?);
             let bias_d = bias.map(|_| &bd);
             let (got, want) = if pairs == 0 {
-                (linear_upto(&xd, &wd, bias_d, 8)?, apply(&x, &w, bias, 0)?)
-            } else if fits(&xd, &wd, bias_d, 8)? {
+                (linear_upto(&xd, &wd, bias_d, MAX_ROWS)?, apply(&x, &w, bias, 0)?)
+            } else if fits(&xd, &wd, bias_d, MAX_ROWS)? {
                 // The product against silu_mul's twin over the same kernel's plain output:
                 // the epilogue must round as that path does (the sums are checked above).
                 let plain = apply(&xd, &wd, bias_d, 0)?.to_device(&Device::Cpu)?;
