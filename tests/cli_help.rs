@@ -24,6 +24,19 @@ const LIMITS: &[&str] = &[
     "--admin-max-connections",
     "--admin-auth-timeout-s",
     "--admin-idle-timeout-s",
+    "--admin-eviction-wait-s",
+    "--token-timeout-s",
+    "--encode-timeout-s",
+    "--connect-timeout-s",
+    "--rpc-timeout-s",
+    "--cpu-wait-timeout-s",
+    "--health-timeout-s",
+    "--engine-poll-s",
+    "--sse-keep-alive-s",
+    "--shutdown-grace-s",
+    "--encoder-timeout-ms",
+    "--ready-timeout-s",
+    "--stop-grace-s",
 ];
 
 #[test]

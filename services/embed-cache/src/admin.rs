@@ -39,6 +39,8 @@ pub struct AdminLimits {
     pub max_connections: usize,
     /// A connection that has not made an authenticated call by then is closed.
     pub auth_timeout: Duration,
+    /// How long a connection beyond the cap waits for the place of the one it evicted.
+    pub eviction_wait: Duration,
     /// An authenticated connection with no call for this long is closed.
     pub idle_timeout: Duration,
 }
@@ -103,7 +105,7 @@ async fn serve(listener: TcpListener, admin: Admin, limits: AdminLimits) {
             Ok(place) => place,
             Err(_) => {
                 evict_oldest_unauthenticated(&mut served);
-                match tokio::time::timeout(EVICTION_WAIT, places.clone().acquire_owned()).await {
+                match tokio::time::timeout(limits.eviction_wait, places.clone().acquire_owned()).await {
                     Ok(Ok(place)) => place,
                     // Every place is held by an operator's connection: closed at once
                     // (never left in CLOSE-WAIT), the client sees a reset.
@@ -122,9 +124,6 @@ async fn serve(listener: TcpListener, admin: Admin, limits: AdminLimits) {
         });
     }
 }
-
-/// How long a new connection waits for an evicted one's place.
-const EVICTION_WAIT: Duration = Duration::from_secs(1);
 
 fn evict_oldest_unauthenticated(served: &mut VecDeque<Weak<Served>>) {
     let mut kept = VecDeque::new();

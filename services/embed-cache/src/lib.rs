@@ -53,6 +53,10 @@ pub struct AdminLimitArgs {
     /// Seconds an authenticated admin connection may stay idle.
     #[arg(long, env = "MMSERVE_ADMIN_IDLE_TIMEOUT_S", default_value_t = 300.0)]
     pub admin_idle_timeout_s: f64,
+    /// Seconds a connection beyond the cap waits for the place of the unauthenticated one
+    /// it evicted (then it is closed).
+    #[arg(long, env = "MMSERVE_ADMIN_EVICTION_WAIT_S", default_value_t = 1.0)]
+    pub admin_eviction_wait_s: f64,
 }
 
 impl AdminLimitArgs {
@@ -64,6 +68,7 @@ impl AdminLimitArgs {
             max_connections: self.admin_max_connections,
             auth_timeout: positive_secs(self.admin_auth_timeout_s, "--admin-auth-timeout-s")?,
             idle_timeout: positive_secs(self.admin_idle_timeout_s, "--admin-idle-timeout-s")?,
+            eviction_wait: positive_secs(self.admin_eviction_wait_s, "--admin-eviction-wait-s")?,
         })
     }
 }
