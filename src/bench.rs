@@ -4,16 +4,14 @@
 //! item allocations per second and the latency of `alloc`.
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use mmserve_protocol::cache::Allocation;
 use mmserve_protocol::reconnect::{CacheConnection, Lease};
 use mmserve_protocol::{AllocItem, EmbedCacheClient, ItemDigest, Modality, deadline, transport};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Bench {
@@ -184,16 +182,8 @@ struct OwnCache {
 
 impl Drop for OwnCache {
     fn drop(&mut self) {
-        terminate(&self.child);
+        crate::embedded::terminate(&self.child);
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// SIGTERM to a child the bench started (it shuts down cleanly, removing its segments).
-pub(crate) fn terminate(child: &tokio::process::Child) {
-    if let Some(pid) = child.id() {
-        // SAFETY: signalling our own child, whose pid `child` still holds.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
 }
 
@@ -209,38 +199,8 @@ async fn start_cache() -> anyhow::Result<(OwnCache, PathBuf)> {
         .args(["--embed-cache-data-size", "64MiB"])
         .env_remove("MMSERVE_ADMIN_TOKEN");
     let ready = |line: &str| line.starts_with(mmserve_protocol::ready::READY_LINE).then_some(());
-    let (child, ()) = spawn_until(cmd, "the embed cache", Duration::from_secs(30), ready).await?;
+    let (child, ()) = crate::embedded::spawn_until(cmd, "the embed cache", Duration::from_secs(30), ready).await?;
     Ok((OwnCache { child, dir }, socket))
-}
-
-/// Starts `cmd` (quiet logs, stdout piped, killed on drop) and reads its stdout until
-/// `ready` finds what it waits for in a line, at most `wait`; then drains the rest of
-/// stdout so the child never blocks on a full pipe.
-pub(crate) async fn spawn_until<T>(
-    mut cmd: tokio::process::Command,
-    what: &str,
-    wait: Duration,
-    ready: impl Fn(&str) -> Option<T>,
-) -> anyhow::Result<(tokio::process::Child, T)> {
-    let mut child = cmd
-        .env("MMSERVE_LOG", "warn")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
-    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
-    let found = tokio::time::timeout(wait, async {
-        while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(v) = ready(&line) {
-                return Some(v);
-            }
-        }
-        None
-    })
-    .await;
-    let Ok(Some(v)) = found else { bail!("{what} did not come up within {wait:?}") };
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, v))
 }
 
 struct Outcome {

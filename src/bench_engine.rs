@@ -5,7 +5,7 @@
 //! sight, repeats with the prefix cache, and repeats without it (a second server with
 //! `--no-prefix-cache`), so the prefix cache's share of the speed-up is its own line.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -57,32 +57,6 @@ pub struct EngineBench {
 }
 
 /// A `mmserve serve` started for the run; stopped on drop.
-struct OwnServer {
-    child: tokio::process::Child,
-    url: String,
-}
-
-impl Drop for OwnServer {
-    fn drop(&mut self) {
-        crate::bench::terminate(&self.child);
-    }
-}
-
-impl OwnServer {
-    async fn start(model: &Path, extra: &[String]) -> anyhow::Result<Self> {
-        let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
-        cmd.args(["serve", "--port", "0", "--model"]).arg(model).args(extra);
-        let url = |line: &str| line.strip_prefix("mmserve: serving ")?.split(" at ").nth(1).map(str::to_string);
-        let (child, url) = crate::bench::spawn_until(cmd, "mmserve serve", Duration::from_secs(300), url).await?;
-        Ok(OwnServer { child, url })
-    }
-
-    async fn stop(mut self) {
-        crate::bench::terminate(&self.child);
-        let _ = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
-    }
-}
-
 struct Client {
     http: reqwest::Client,
     url: String,
@@ -300,7 +274,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 pub async fn run(b: EngineBench) -> anyhow::Result<()> {
     let name = b.model.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-    let server = OwnServer::start(&b.model, &b.serve_args).await?;
+    let server = crate::embedded::OwnServer::start(&b.model, &b.serve_args).await?;
     let client = Client::new(&server.url)?;
     let (filler, prompt_len) = calibrate(&client, &name, b.prompt_tokens).await?;
     if !b.json {
@@ -399,7 +373,7 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
     server.stop().await;
     let mut args = b.serve_args.clone();
     args.push("--no-prefix-cache".into());
-    let server = OwnServer::start(&b.model, &args).await?;
+    let server = crate::embedded::OwnServer::start(&b.model, &args).await?;
     let client = Client::new(&server.url)?;
     client.ttft(&body).await?; // the image into the embed cache
     let (without_prefix, _) = repeated(client, body).await?;

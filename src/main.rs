@@ -7,6 +7,7 @@ mod bench;
 mod bench_engine;
 mod bench_model;
 mod cache_cli;
+mod embedded;
 mod config;
 mod preprocess;
 mod serve;
