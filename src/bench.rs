@@ -23,6 +23,8 @@ pub enum Bench {
     Engine(crate::bench_engine::EngineBench),
     /// The model code alone on a device: decode, prefill, vision tower, against ceilings.
     Model(crate::bench_model::ModelBench),
+    /// `mmserve caption` over generated images, at several concurrencies.
+    Caption(crate::bench_caption::CaptionBench),
 }
 
 #[derive(Debug, clap::Args)]
@@ -128,6 +130,7 @@ pub async fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::Cache(b) => cache(b).await,
         Bench::Preprocess(b) => preprocess(b),
+        Bench::Caption(b) => crate::bench_caption::run(b).await,
         Bench::Engine(b) => crate::bench_engine::run(b).await,
         Bench::Model(b) => crate::bench_model::run(b),
     }

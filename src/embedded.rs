@@ -47,6 +47,17 @@ pub async fn spawn_until<T>(
     wait: Duration,
     ready: impl Fn(&str) -> Option<T>,
 ) -> anyhow::Result<(tokio::process::Child, T)> {
+    // SAFETY: prctl is async-signal-safe and touches no memory of ours: the kernel sends
+    // the child SIGTERM when this process dies, even by SIGKILL, so no server outlives
+    // the client that started it.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd
         .env("MMSERVE_LOG", "warn")
         .stdout(Stdio::piped())
@@ -75,4 +86,3 @@ pub fn terminate(child: &tokio::process::Child) {
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
 }
-

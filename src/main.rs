@@ -4,11 +4,13 @@
 //! same binary run with the service's subcommand (usable on its own, too).
 
 mod bench;
+mod bench_caption;
 mod bench_engine;
 mod bench_model;
 mod cache_cli;
-mod embedded;
+mod caption;
 mod config;
+mod embedded;
 mod preprocess;
 mod serve;
 
@@ -39,6 +41,8 @@ enum Command {
     Api(mmserve_api::ApiArgs),
     /// Inspect and manage a running embed cache (its admin listener).
     Cache(cache_cli::CacheCli),
+    /// Caption (or transcribe) folders, lists and batch files; resumable.
+    Caption(caption::CaptionArgs),
     /// Write what the encoder would receive for one image or audio file.
     Preprocess(preprocess::PreprocessArgs),
     /// Benchmarks against real services.
@@ -73,6 +77,7 @@ fn main() -> anyhow::Result<()> {
             Command::Engine(args) => Ok(mmserve_engine::run(args, shutdown()).await?),
             Command::Api(args) => Ok(mmserve_api::run(args, shutdown()).await?),
             Command::Cache(cli) => cache_cli::run(cli).await,
+            Command::Caption(args) => caption::run(args).await,
             Command::Bench(b) => bench::run(b).await,
             Command::Preprocess(args) => preprocess::run(args),
         }
