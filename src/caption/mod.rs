@@ -235,6 +235,7 @@ async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> any
                             progress.counts.not_media += 1;
                         } else if record["error"].is_null() {
                             progress.counts.done += 1;
+                            progress.counts.audio_seconds += record["audio_seconds"].as_f64().unwrap_or(0.0);
                             progress.counts.output_tokens += record["completion_tokens"].as_u64().unwrap_or(0);
                             if args.format == Format::Sidecar
                                 && let (Some(path), Some(caption)) = (record["path"].as_str(), record["caption"].as_str())
@@ -345,6 +346,11 @@ async fn process(s: &Shared, next: Next) -> Outcome {
         }
         return failure(&item, Some(&digest), None, "not an image or audio file (by its content)");
     };
+    // A clip's length from its container, where it states one (for the summary's rate).
+    let seconds = match kind {
+        Kind::Audio(format) => mmserve_media::audio::probe_duration(&bytes, Some(format)).ok().flatten(),
+        Kind::Image => None,
+    };
     let prompt = s.settings.prompt_for(kind, item.prompt.as_deref()).to_string();
     let key = s.settings.key(&prompt);
     if let Some(d) = s.done.get(&item.id)
@@ -380,7 +386,7 @@ async fn process(s: &Shared, next: Next) -> Outcome {
                 "kind": kind_name, "digest": digest, "settings": key, "caption": a.caption,
                 "prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
                 "finish_reason": a.finish_reason, "latency_ms": (a.latency.as_secs_f64() * 1e4).round() / 10.0,
-                "error": null,
+                "audio_seconds": seconds, "error": null,
             }),
         )),
         Err(e) => failure(&item, Some(&digest), Some(&key), e),

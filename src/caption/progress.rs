@@ -14,6 +14,8 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Counts {
+    /// Seconds of audio captioned (where the containers state their length).
+    pub audio_seconds: f64,
     /// Items captioned (or answered) in this run.
     pub done: u64,
     /// Items found done by an earlier run.
@@ -104,5 +106,12 @@ impl Progress {
             c.output_tokens as f64 / secs,
             cache_hits.map_or_else(String::new, |h| format!(", {h} embed-cache hits"))
         );
+        if c.audio_seconds > 0.0 {
+            eprintln!(
+                "mmserve caption: {:.1} s of audio, {:.1} s of audio per second",
+                c.audio_seconds,
+                c.audio_seconds / secs
+            );
+        }
     }
 }
