@@ -380,3 +380,51 @@ async fn lists_of_paths_and_urls_and_jsonl_items_with_their_own_prompts() {
     assert!(recs["second"]["prompt_tokens"].as_u64() != recs["first"]["prompt_tokens"].as_u64());
     server.stop();
 }
+
+#[tokio::test]
+async fn ctrl_c_stops_cleanly_and_says_how_to_resume() {
+    let dir = temp_dir("caption-sigint");
+    let photos = dir.join("photos");
+    std::fs::create_dir_all(&photos).unwrap();
+    for i in 0..40 {
+        std::fs::write(photos.join(format!("q{i:02}.png")), picture(200 + i, 32, image::ImageFormat::Png)).unwrap();
+    }
+    let server = Server::start(&[]);
+    let out = dir.join("captions.jsonl");
+    let args = [
+        "caption".to_string(),
+        "--url".into(),
+        base_url(&server),
+        photos.display().to_string(),
+        "--out".into(),
+        out.display().to_string(),
+        "--concurrency".into(),
+        "1".into(),
+        "--max-tokens".into(),
+        "64".into(),
+    ];
+    let child = Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(&args)
+        .env("MMSERVE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(&out).map(|t| t.lines().count()).unwrap_or(0) < 2 {
+        assert!(Instant::now() < deadline, "no records within 60 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let stopped = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&stopped.stderr);
+    assert!(!stopped.status.success());
+    assert!(stderr.contains("interrupted") && stderr.contains("run the same command again"), "{stderr}");
+    let before = records(&out).len();
+    assert!(before < 40, "it ran to the end before the signal");
+    let resumed = Command::new(env!("CARGO_BIN_EXE_mmserve")).args(&args).env("MMSERVE_LOG", "warn").output().unwrap();
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    assert_eq!(by_id(&records(&out)).len(), 40);
+    server.stop();
+}

@@ -218,6 +218,8 @@ async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> any
     let mut interrupted = false;
     let mut lister = std::pin::pin!(lister);
     let mut listing = true;
+    // One listener for the whole run, so that no Ctrl-C falls between two waits.
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
     loop {
         tokio::select! {
             r = &mut lister, if listing => {
@@ -249,7 +251,7 @@ async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> any
                 }
                 progress.finished();
             }
-            _ = tokio::signal::ctrl_c() => {
+            _ = &mut ctrl_c => {
                 interrupted = true;
                 break;
             }
@@ -306,6 +308,9 @@ async fn process(s: &Shared, next: Next) -> Outcome {
     let item = match next {
         Ok(item) => item,
         Err(bad) => {
+            if s.done.contains_key(&bad.id) && !s.retry_failed {
+                return Outcome::Skipped;
+            }
             let item =
                 Item { id: bad.id, source: Source::File(PathBuf::new()), prompt: None, root: None, walked: false };
             return failure(&item, None, None, bad.error);
@@ -435,6 +440,7 @@ async fn run_batch(
                 async move {
                     let (id, mut body) = match batch::parse_line(&line, n as usize) {
                         Ok(x) => x,
+                        Err((id, _)) if done.contains_key(&id) && !retry => return None,
                         Err((id, why)) => return Some(batch::error_line(n, &id, "invalid_request", &why)),
                     };
                     if done.get(&id).is_some_and(|d| d.ok || !retry) {
@@ -459,6 +465,7 @@ async fn run_batch(
             .buffer_unordered(concurrency),
     );
     let mut interrupted = false;
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
     loop {
         tokio::select! {
             next = results.next() => {
@@ -478,7 +485,7 @@ async fn run_batch(
                 }
                 progress.finished();
             }
-            _ = tokio::signal::ctrl_c() => {
+            _ = &mut ctrl_c => {
                 interrupted = true;
                 break;
             }
