@@ -12,6 +12,7 @@
 
 mod batch;
 mod inputs;
+mod item;
 mod journal;
 mod outputs;
 mod progress;
@@ -25,13 +26,14 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use futures::StreamExt;
 use mmserve_arena::ByteSize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use self::inputs::{Item, Kind, Next, Source};
-use self::journal::{Done, Journal};
+use self::inputs::Next;
+use self::item::{Outcome, Shared, process};
+use self::journal::Journal;
 use self::outputs::Format;
 use self::progress::Progress;
-use self::request::{Answer, Settings};
+use self::request::Settings;
 
 #[derive(Debug, clap::Args)]
 pub struct CaptionArgs {
@@ -100,27 +102,6 @@ pub struct CaptionArgs {
     pub request_timeout_s: u64,
 }
 
-/// What one item came to.
-enum Outcome {
-    /// A record for the journal.
-    Record(Value),
-    /// Done by an earlier run.
-    Skipped,
-}
-
-/// What every item's task shares.
-struct Shared {
-    http: reqwest::Client,
-    base: String,
-    settings: Settings,
-    done: HashMap<String, Done>,
-    retry_failed: bool,
-    max_bytes: u64,
-    /// Answers of this run by (digest, settings key), when the settings are
-    /// deterministic: a duplicate reuses the first one's.
-    answers: Mutex<HashMap<(String, String), Answer>>,
-}
-
 pub async fn run(args: CaptionArgs) -> anyhow::Result<()> {
     if args.batch_file.is_none() && args.paths.is_empty() && args.input_list.is_none() && args.input_jsonl.is_none() {
         bail!("nothing to caption: give paths, --input-list, --input-jsonl or --batch-file");
@@ -138,7 +119,7 @@ pub async fn run(args: CaptionArgs) -> anyhow::Result<()> {
         }
     };
     let outcome = match &args.batch_file {
-        Some(file) => run_batch(&args, file, http, &base).await,
+        Some(file) => batch::run(&args, file, http, &base).await,
         None => run_items(&args, http, &base).await,
     };
     if let Some(s) = server {
@@ -147,7 +128,7 @@ pub async fn run(args: CaptionArgs) -> anyhow::Result<()> {
     outcome
 }
 
-async fn served_model(http: &reqwest::Client, base: &str, given: Option<&str>) -> anyhow::Result<String> {
+pub(crate) async fn served_model(http: &reqwest::Client, base: &str, given: Option<&str>) -> anyhow::Result<String> {
     if let Some(m) = given {
         return Ok(m.to_string());
     }
@@ -173,7 +154,7 @@ fn journal_path(args: &CaptionArgs) -> PathBuf {
 }
 
 /// Lines of `rx`, as a stream.
-fn stream_of<T: Send + 'static>(rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
+pub(crate) fn stream_of<T: Send + 'static>(rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
 }
 
@@ -278,231 +259,6 @@ async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> any
     let failed = progress.counts.failed;
     if failed > 0 {
         bail!("{failed} items failed (see their \"error\"); --retry-failed does them again");
-    }
-    Ok(())
-}
-
-fn record(item: &Item, fields: Value) -> Value {
-    let mut r = json!({"id": item.id});
-    match &item.source {
-        Source::File(p) => r["path"] = json!(p.to_string_lossy()),
-        Source::Url(u) => r["url"] = json!(u),
-    }
-    if let Some(root) = &item.root {
-        r["root"] = json!(root.to_string_lossy());
-    }
-    if let (Value::Object(r), Value::Object(f)) = (&mut r, fields) {
-        r.extend(f);
-    }
-    r
-}
-
-fn failure(item: &Item, digest: Option<&str>, settings: Option<&str>, error: impl std::fmt::Display) -> Outcome {
-    Outcome::Record(record(
-        item,
-        json!({"digest": digest, "settings": settings, "caption": null, "error": error.to_string()}),
-    ))
-}
-
-async fn process(s: &Shared, next: Next) -> Outcome {
-    let item = match next {
-        Ok(item) => item,
-        Err(bad) => {
-            if s.done.contains_key(&bad.id) && !s.retry_failed {
-                return Outcome::Skipped;
-            }
-            let item =
-                Item { id: bad.id, source: Source::File(PathBuf::new()), prompt: None, root: None, walked: false };
-            return failure(&item, None, None, bad.error);
-        }
-    };
-    // An item that could not even be read last time stays failed unless retried.
-    if let Some(d) = s.done.get(&item.id)
-        && d.digest.is_empty()
-        && !d.ok
-        && !s.retry_failed
-    {
-        return Outcome::Skipped;
-    }
-    let bytes = match &item.source {
-        Source::File(p) => request::read_file(p, s.max_bytes).await,
-        Source::Url(u) => request::fetch(&s.http, u, s.max_bytes).await,
-    };
-    let bytes = match bytes {
-        Ok(b) => b,
-        Err(e) => return failure(&item, None, None, format!("reading: {e}")),
-    };
-    let digest = request::digest(&bytes);
-    let Some(kind) = inputs::sniff(&bytes) else {
-        let named_media = match &item.source {
-            Source::File(p) => inputs::has_media_extension(p),
-            Source::Url(_) => true,
-        };
-        if item.walked && !named_media {
-            if s.done.get(&item.id).is_some_and(|d| d.ok && d.digest == digest) {
-                return Outcome::Skipped;
-            }
-            // A file beside the media of a folder: noted, not a failure.
-            let note = "not an image or audio file (by its content)";
-            return Outcome::Record(record(
-                &item,
-                json!({"digest": digest, "caption": null, "not_media": note, "error": null}),
-            ));
-        }
-        return failure(&item, Some(&digest), None, "not an image or audio file (by its content)");
-    };
-    // A clip's length from its container, where it states one (for the summary's rate).
-    let seconds = match kind {
-        Kind::Audio(format) => mmserve_media::audio::probe_duration(&bytes, Some(format)).ok().flatten(),
-        Kind::Image => None,
-    };
-    let prompt = s.settings.prompt_for(kind, item.prompt.as_deref()).to_string();
-    let key = s.settings.key(&prompt);
-    if let Some(d) = s.done.get(&item.id)
-        && d.digest == digest
-        && d.settings == key
-        && (d.ok || !s.retry_failed)
-    {
-        return Outcome::Skipped;
-    }
-    let cached = s.settings.deterministic().then(|| lock(&s.answers).get(&(digest.clone(), key.clone())).cloned());
-    let answer = match cached.flatten() {
-        Some(a) => Ok(a),
-        None => {
-            let body = s.settings.body(kind, &bytes, &prompt);
-            drop(bytes);
-            let answer = request::complete(&s.http, &s.base, &body).await;
-            if let Ok(a) = &answer
-                && s.settings.deterministic()
-            {
-                lock(&s.answers).insert((digest.clone(), key.clone()), a.clone());
-            }
-            answer
-        }
-    };
-    let kind_name = match kind {
-        Kind::Image => "image",
-        Kind::Audio(_) => "audio",
-    };
-    match answer {
-        Ok(a) => Outcome::Record(record(
-            &item,
-            json!({
-                "kind": kind_name, "digest": digest, "settings": key, "caption": a.caption,
-                "prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
-                "finish_reason": a.finish_reason, "latency_ms": (a.latency.as_secs_f64() * 1e4).round() / 10.0,
-                "audio_seconds": seconds, "error": null,
-            }),
-        )),
-        Err(e) => failure(&item, Some(&digest), Some(&key), e),
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-async fn run_batch(
-    args: &CaptionArgs,
-    file: &std::path::Path,
-    http: reqwest::Client,
-    base: &str,
-) -> anyhow::Result<()> {
-    let mut journal = Journal::open(&args.out, &batch::key)?;
-    let done = std::mem::take(&mut journal.done);
-    let model = served_model(&http, base, args.served_model.as_deref()).await?;
-    let concurrency = args.concurrency.max(1);
-    let (tx, rx) = tokio::sync::mpsc::channel::<(u64, String)>(concurrency);
-    let path = file.to_path_buf();
-    let lister = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-        use std::io::BufRead;
-        let f = std::fs::File::open(&path).with_context(|| format!("--batch-file {}", path.display()))?;
-        for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
-            let line = line.with_context(|| format!("reading {}", path.display()))?;
-            if !line.trim().is_empty() && tx.blocking_send((n as u64 + 1, line)).is_err() {
-                break;
-            }
-        }
-        Ok(())
-    });
-    let mut progress = Progress::new(args.quiet);
-    let seen = progress.seen();
-    let (http2, base2) = (http.clone(), base.to_string());
-    let retry = args.retry_failed;
-    let mut results = Box::pin(
-        stream_of(rx)
-            .inspect(|_| {
-                seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            })
-            .map(|(n, line)| {
-                let (http, base, model) = (http2.clone(), base2.clone(), model.clone());
-                let done = &done;
-                async move {
-                    let (id, mut body) = match batch::parse_line(&line, n as usize) {
-                        Ok(x) => x,
-                        Err((id, _)) if done.contains_key(&id) && !retry => return None,
-                        Err((id, why)) => return Some(batch::error_line(n, &id, "invalid_request", &why)),
-                    };
-                    if done.get(&id).is_some_and(|d| d.ok || !retry) {
-                        return None;
-                    }
-                    if body.get("model").is_none() {
-                        body["model"] = json!(model);
-                    }
-                    let answer = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await;
-                    Some(match answer {
-                        Ok(resp) => {
-                            let status = resp.status().as_u16();
-                            match resp.json::<Value>().await {
-                                Ok(v) => batch::response_line(n, &id, status, v),
-                                Err(e) => batch::error_line(n, &id, "bad_response", &e.to_string()),
-                            }
-                        }
-                        Err(e) => batch::error_line(n, &id, "request_failed", &e.to_string()),
-                    })
-                }
-            })
-            .buffer_unordered(concurrency),
-    );
-    let mut interrupted = false;
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
-    loop {
-        tokio::select! {
-            next = results.next() => {
-                let Some(line) = next else { break };
-                match line {
-                    None => progress.counts.skipped += 1,
-                    Some(line) => {
-                        journal.append(&line)?;
-                        if batch::key(&line).is_some_and(|(_, d)| d.ok) {
-                            progress.counts.done += 1;
-                            progress.counts.output_tokens +=
-                                line["response"]["body"]["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                        } else {
-                            progress.counts.failed += 1;
-                        }
-                    }
-                }
-                progress.finished();
-            }
-            _ = &mut ctrl_c => {
-                interrupted = true;
-                break;
-            }
-        }
-    }
-    drop(results);
-    lister.await.context("reading the batch file")??;
-    journal.compact(&batch::key)?;
-    progress.summary(None);
-    if interrupted {
-        bail!("interrupted: the output is valid; run the same command again to resume");
-    }
-    if progress.counts.failed > 0 {
-        bail!(
-            "{} requests failed (see their \"error\" or status); --retry-failed does them again",
-            progress.counts.failed
-        );
     }
     Ok(())
 }
