@@ -10,10 +10,12 @@ mod defaults;
 mod files;
 mod llava;
 mod qwen2_audio;
+mod qwen2_vl;
 
 pub use files::{ModelDir, WeightFiles};
 pub use llava::{ClipVisionConfig, FeatureSelect, LlamaConfig, LlavaConfig};
 pub use qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig, audio_token_count};
+pub use qwen2_vl::Qwen2VisionConfig;
 
 use std::path::PathBuf;
 

@@ -20,6 +20,7 @@ mod load;
 mod paged;
 mod patch_embed;
 mod qwen2_audio;
+mod qwen2_vl;
 mod weights;
 
 pub use activation::Activation;
@@ -31,4 +32,5 @@ pub use llava::{LlavaVision, merge_image_embeddings};
 pub use load::{LoadFormat, Placement, PlacementArgs, default_device_name, parse_device, resolve_dtype};
 pub use paged::{PagedKv, PagedSeq};
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
+pub use qwen2_vl::{Grid, Qwen2VisionTower};
 pub use weights::{Naming, Weights, parse_dtype};

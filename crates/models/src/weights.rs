@@ -34,6 +34,8 @@ pub enum Naming {
     /// `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
     /// `lm_head.weight`.
     V5,
+    /// Qwen-VL on the Hub: `model.*` (the language model), `visual.*`, `lm_head.weight`.
+    Flat,
 }
 
 impl Naming {
@@ -41,34 +43,43 @@ impl Naming {
         match self {
             Naming::Hub => "language_model.model",
             Naming::V5 => "model.language_model",
+            Naming::Flat => "model",
         }
     }
 
     fn lm_head(self) -> &'static str {
         match self {
             Naming::Hub => "language_model.lm_head",
-            Naming::V5 => "lm_head",
+            Naming::V5 | Naming::Flat => "lm_head",
         }
     }
 
     fn vision_model(self) -> &'static str {
         match self {
-            Naming::Hub => "vision_tower.vision_model",
+            Naming::Hub | Naming::Flat => "vision_tower.vision_model",
             Naming::V5 => "model.vision_tower.vision_model",
         }
     }
 
     fn projector(self) -> &'static str {
         match self {
-            Naming::Hub => "multi_modal_projector",
+            Naming::Hub | Naming::Flat => "multi_modal_projector",
             Naming::V5 => "model.multi_modal_projector",
         }
     }
 
     fn audio_tower(self) -> &'static str {
         match self {
-            Naming::Hub => "audio_tower",
+            Naming::Hub | Naming::Flat => "audio_tower",
             Naming::V5 => "model.audio_tower",
+        }
+    }
+
+    /// Qwen-VL's vision tower.
+    fn visual(self) -> &'static str {
+        match self {
+            Naming::Hub | Naming::Flat => "visual",
+            Naming::V5 => "model.visual",
         }
     }
 }
@@ -115,6 +126,8 @@ impl Weights {
             Naming::Hub
         } else if probe(Naming::V5) {
             Naming::V5
+        } else if probe(Naming::Flat) {
+            Naming::Flat
         } else {
             return Err(ModelError::MissingTensor(format!(
                 "{}.embed_tokens.weight (or {}.embed_tokens.weight)",
@@ -177,6 +190,11 @@ impl Weights {
     /// `Qwen2AudioEncoder`: conv1, conv2, embed_positions, layers, layer_norm.
     pub(crate) fn audio_tower(&self) -> Scope {
         self.scope(self.naming.audio_tower())
+    }
+
+    /// Qwen-VL's vision tower: patch_embed, blocks, merger.
+    pub(crate) fn visual(&self) -> Scope {
+        self.scope(self.naming.visual())
     }
 }
 

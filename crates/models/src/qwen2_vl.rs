@@ -1,0 +1,206 @@
+//! Qwen2-VL's vision tower (`Qwen2VisionTransformerPretrainedModel`, Wang et al. 2024,
+//! "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at Any
+//! Resolution"): the patch embedding over `temporal_patch_size × patch_size²` values
+//! (transformers' Conv3d, whose stride is its kernel: one GEMM), pre-norm blocks of
+//! attention with 2-D rotary positions (height, width) and an MLP, attention within
+//! each frame of each image only (a batch of images is one packed sequence, never padded
+//! to the largest), and the patch merger (LayerNorm, then an MLP over each
+//! `spatial_merge_size²` group of patches, which the preprocessor laid out
+//! consecutively). Reads `vision_config`: `depth`, `embed_dim`, `mlp_ratio`,
+//! `num_heads`, `in_chans`, `hidden_size`, `patch_size`, `spatial_merge_size`,
+//! `temporal_patch_size`, `hidden_act`.
+
+use candle_core::{D, DType, Device, Module, Tensor};
+use mmserve_config::Qwen2VisionConfig;
+
+use crate::ModelError;
+use crate::activation::Activation;
+use crate::layer_norm::LayerNorm;
+use crate::linear::Linear;
+use crate::weights::{Scope, Weights};
+
+/// LayerNorm's epsilon throughout the tower.
+const EPS: f64 = 1e-6;
+/// The rotary embedding's base.
+const THETA: f64 = 10_000.0;
+
+struct Block {
+    norm1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    norm2: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+pub struct Qwen2VisionTower {
+    patch: Linear,
+    blocks: Vec<Block>,
+    ln_q: LayerNorm,
+    merge_fc1: Linear,
+    merge_fc2: Linear,
+    act: Activation,
+    cfg: Qwen2VisionConfig,
+}
+
+/// One image (or video) in patches: frames, rows, columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grid {
+    pub t: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+impl Grid {
+    fn patches(&self) -> usize {
+        self.t * self.h * self.w
+    }
+}
+
+impl Block {
+    fn load(s: &Scope, d: usize, mlp: usize) -> Result<Self, ModelError> {
+        Ok(Block {
+            norm1: s.layer_norm("norm1", d, EPS)?,
+            qkv: s.linear("attn.qkv", d, 3 * d, true)?,
+            proj: s.linear("attn.proj", d, d, true)?,
+            norm2: s.layer_norm("norm2", d, EPS)?,
+            fc1: s.linear("mlp.fc1", d, mlp, true)?,
+            fc2: s.linear("mlp.fc2", mlp, d, true)?,
+        })
+    }
+}
+
+impl Qwen2VisionTower {
+    pub fn from_weights(weights: &Weights, cfg: &Qwen2VisionConfig) -> Result<Self, ModelError> {
+        let s = weights.visual();
+        let d = cfg.embed_dim;
+        let conv = s.tensor(
+            "patch_embed.proj.weight",
+            (d, cfg.in_chans, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+        )?;
+        let patch = Linear::new(conv.reshape((d, cfg.patch_values()))?, None, weights.kernels());
+        let blocks = (0..cfg.depth)
+            .map(|i| Block::load(&s.pp("blocks").pp(i), d, d * cfg.mlp_ratio))
+            .collect::<Result<_, _>>()?;
+        let merged = d * cfg.spatial_merge_size * cfg.spatial_merge_size;
+        Ok(Qwen2VisionTower {
+            patch,
+            blocks,
+            ln_q: s.layer_norm("merger.ln_q", d, EPS)?,
+            merge_fc1: s.linear("merger.mlp.0", merged, merged, true)?,
+            merge_fc2: s.linear("merger.mlp.2", merged, cfg.hidden_size, true)?,
+            act: Activation::from_name(&cfg.hidden_act)?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// Embedding rows of the images: `pixels` [patches, patch values] in the
+    /// preprocessor's order, `grids` the images' patch grids in that order →
+    /// [patches / merge², hidden_size].
+    pub fn forward(&self, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor, ModelError> {
+        Ok(self.forward_layers(pixels, grids)?.1)
+    }
+
+    /// [`forward`](Self::forward), with every block's output (the parity tests' view).
+    pub fn forward_layers(&self, pixels: &Tensor, grids: &[Grid]) -> Result<(Vec<Tensor>, Tensor), ModelError> {
+        let n: usize = grids.iter().map(Grid::patches).sum();
+        let (rows, values) = pixels.dims2()?;
+        if rows != n || values != self.cfg.patch_values() {
+            return Err(ModelError::InvalidInput(format!(
+                "pixel values [{rows}, {values}] for grids of {n} patches of {} values",
+                self.cfg.patch_values()
+            )));
+        }
+        let m = self.cfg.spatial_merge_size;
+        if let Some(g) = grids.iter().find(|g| !g.h.is_multiple_of(m) || !g.w.is_multiple_of(m)) {
+            return Err(ModelError::InvalidInput(format!("grid {g:?} is not a multiple of the merge size {m}")));
+        }
+        let dtype = self.patch.dtype();
+        let mut x = self.patch.forward(&pixels.to_dtype(dtype)?)?;
+        let (cos, sin) = self.rotary(grids, x.device())?;
+        // Attention runs within each frame: h·w patches at a time.
+        let frames: Vec<usize> = grids.iter().flat_map(|g| std::iter::repeat_n(g.h * g.w, g.t)).collect();
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let h = b.norm1.forward(&x)?;
+            let attn = self.attention(b, &h, &cos, &sin, &frames)?;
+            x = (x + b.proj.forward(&attn)?)?;
+            let h = b.norm2.forward(&x)?;
+            x = (&x + b.fc2.forward(&self.act.apply(&b.fc1.forward(&h)?)?)?)?;
+            layers.push(x.clone());
+        }
+        let merged = self.ln_q.forward(&x)?.reshape((n / (m * m), ()))?;
+        let out = self.merge_fc2.forward(&Activation::Gelu.apply(&self.merge_fc1.forward(&merged)?)?)?;
+        Ok((layers, out))
+    }
+
+    /// cos and sin [patches, head_dim] of each patch's 2-D position: the first half of
+    /// the rotary frequencies turn with the row, the second with the column (each
+    /// repeated, as `rotate_half` pairs dimension i with i + head_dim / 2).
+    fn rotary(&self, grids: &[Grid], device: &Device) -> Result<(Tensor, Tensor), ModelError> {
+        let head_dim = self.cfg.embed_dim / self.cfg.num_heads;
+        let dim = head_dim / 2;
+        let inv: Vec<f64> = (0..dim / 2).map(|i| 1.0 / THETA.powf((2 * i) as f64 / dim as f64)).collect();
+        let m = self.cfg.spatial_merge_size;
+        let n: usize = grids.iter().map(Grid::patches).sum();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * head_dim), Vec::with_capacity(n * head_dim));
+        for g in grids {
+            for _ in 0..g.t {
+                // Patches come merge group by merge group: block row, block column, then
+                // the group's own rows and columns.
+                for (bh, bw, ih, iw) in itertools_product(g.h / m, g.w / m, m) {
+                    let (row, col) = ((bh * m + ih) as f64, (bw * m + iw) as f64);
+                    let angles: Vec<f64> = inv.iter().map(|f| row * f).chain(inv.iter().map(|f| col * f)).collect();
+                    for _ in 0..2 {
+                        cos.extend(angles.iter().map(|a| a.cos() as f32));
+                        sin.extend(angles.iter().map(|a| a.sin() as f32));
+                    }
+                }
+            }
+        }
+        let t = |v: Vec<f32>| Tensor::from_vec(v, (n, 1, head_dim), device);
+        Ok((t(cos)?, t(sin)?))
+    }
+
+    /// Multi-head attention of `h` [patches, dim] within each frame, rotary on q and k.
+    fn attention(
+        &self,
+        b: &Block,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        frames: &[usize],
+    ) -> Result<Tensor, ModelError> {
+        let (n, d) = h.dims2()?;
+        let heads = self.cfg.num_heads;
+        let hd = d / heads;
+        let qkv = b.qkv.forward(h)?.reshape((n, 3, heads, hd))?;
+        let dtype = qkv.dtype();
+        let rope = |x: Tensor| -> candle_core::Result<Tensor> {
+            let x = x.to_dtype(DType::F32)?;
+            let (x1, x2) = (x.narrow(D::Minus1, 0, hd / 2)?, x.narrow(D::Minus1, hd / 2, hd / 2)?);
+            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+            (x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?.to_dtype(dtype)
+        };
+        let q = rope(qkv.narrow(1, 0, 1)?.squeeze(1)?)?;
+        let k = rope(qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
+        let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
+        let scale = (hd as f64).powf(-0.5);
+        let mut outs = Vec::with_capacity(frames.len());
+        let mut at = 0;
+        for &len in frames {
+            let part = |x: &Tensor| x.narrow(0, at, len)?.transpose(0, 1)?.contiguous();
+            let (qs, ks, vs) = (part(&q)?, part(&k)?, part(&v)?);
+            let scores = (qs.to_dtype(DType::F32)?.matmul(&ks.to_dtype(DType::F32)?.t()?)? * scale)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
+            outs.push(probs.matmul(&vs)?.transpose(0, 1)?);
+            at += len;
+        }
+        Ok(Tensor::cat(&outs, 0)?.reshape((n, d))?)
+    }
+}
+
+/// (block row, block column, row in block, column in block), in that nesting order.
+fn itertools_product(bh: usize, bw: usize, m: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    (0..bh).flat_map(move |a| (0..bw).flat_map(move |b| (0..m).flat_map(move |c| (0..m).map(move |d| (a, b, c, d)))))
+}
