@@ -15,7 +15,7 @@ mod qwen2_vl;
 pub use files::{ModelDir, WeightFiles};
 pub use llava::{ClipVisionConfig, FeatureSelect, LlamaConfig, LlavaConfig};
 pub use qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig, audio_token_count};
-pub use qwen2_vl::Qwen2VisionConfig;
+pub use qwen2_vl::{Qwen2VisionConfig, WindowAttention};
 
 use std::path::PathBuf;
 

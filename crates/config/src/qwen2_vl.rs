@@ -1,7 +1,10 @@
-//! Qwen2-VL's vision tower (`Qwen2VisionTransformerPretrainedModel`, Wang et al. 2024,
-//! "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at Any
-//! Resolution"): the `vision_config` fields it reads. Both config layouts name them the
-//! same.
+//! The Qwen-VL vision towers' `vision_config`: Qwen2-VL's
+//! (`Qwen2VisionTransformerPretrainedModel`, Wang et al. 2024, "Qwen2-VL: Enhancing
+//! Vision-Language Model's Perception of the World at Any Resolution": `embed_dim`,
+//! `mlp_ratio`, `hidden_size` as the merger's output) and Qwen2.5-VL's
+//! (`Qwen2_5_VisionTransformerPretrainedModel`, Bai et al. 2025, "Qwen2.5-VL Technical
+//! Report": `hidden_size` as the tower's width, `intermediate_size`, `out_hidden_size`,
+//! `window_size`, `fullatt_block_indexes`). Both config layouts name them the same.
 
 use serde_json::Value;
 
@@ -21,6 +24,18 @@ pub struct Qwen2VisionConfig {
     pub spatial_merge_size: usize,
     pub temporal_patch_size: usize,
     pub hidden_act: String,
+    /// Width of a block's MLP.
+    pub mlp_hidden: usize,
+    /// Qwen2.5-VL: RMSNorm, a gated (SwiGLU) MLP, and window attention.
+    pub window: Option<WindowAttention>,
+}
+
+/// Qwen2.5-VL's window attention: windows of `window_size` pixels, except in the blocks
+/// listed, which attend over the whole image.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WindowAttention {
+    pub window_size: usize,
+    pub fullatt_block_indexes: Vec<usize>,
 }
 
 impl Qwen2VisionConfig {
@@ -28,7 +43,9 @@ impl Qwen2VisionConfig {
     pub fn from_json(config: &Value) -> Result<Self, String> {
         let v = config.get("vision_config").ok_or("config.json has no vision_config")?;
         let f = Fields::new(v, "vision_config");
-        let c = Qwen2VisionConfig {
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or_default();
+        let v25 = model_type == "qwen2_5_vl" || f.get("out_hidden_size").is_some();
+        let mut c = Qwen2VisionConfig {
             depth: f.usize_or("depth", 32)?,
             embed_dim: f.usize_or("embed_dim", 1280)?,
             mlp_ratio: f.usize_or("mlp_ratio", 4)?,
@@ -39,7 +56,27 @@ impl Qwen2VisionConfig {
             spatial_merge_size: f.usize_or("spatial_merge_size", 2)?,
             temporal_patch_size: f.usize_or("temporal_patch_size", 2)?,
             hidden_act: f.str_or("hidden_act", "quick_gelu")?,
+            mlp_hidden: 0,
+            window: None,
         };
+        if v25 {
+            c.embed_dim = f.usize_or("hidden_size", 1280)?;
+            c.hidden_size = f.usize_or("out_hidden_size", 3584)?;
+            c.hidden_act = f.str_or("hidden_act", "silu")?;
+            c.mlp_hidden = f.usize_or("intermediate_size", 3420)?;
+            let full = match f.get("fullatt_block_indexes") {
+                None => vec![7, 15, 23, 31],
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|x| x.as_u64().map(|n| n as usize).ok_or("vision_config.fullatt_block_indexes: not indexes"))
+                    .collect::<Result<_, _>>()?,
+                Some(other) => return Err(format!("vision_config.fullatt_block_indexes must be a list, got {other}")),
+            };
+            c.window =
+                Some(WindowAttention { window_size: f.usize_or("window_size", 112)?, fullatt_block_indexes: full });
+        } else {
+            c.mlp_hidden = c.embed_dim * c.mlp_ratio;
+        }
         if c.num_heads == 0 || !c.embed_dim.is_multiple_of(c.num_heads) {
             return Err("vision_config.embed_dim is not a multiple of num_heads".into());
         }
@@ -48,6 +85,11 @@ impl Qwen2VisionConfig {
         }
         if c.spatial_merge_size == 0 || c.patch_size == 0 || c.temporal_patch_size == 0 {
             return Err("vision_config: patch, merge and temporal patch sizes must be positive".into());
+        }
+        if let Some(w) = &c.window
+            && w.window_size / c.spatial_merge_size / c.patch_size == 0
+        {
+            return Err("vision_config.window_size is smaller than one merged patch".into());
         }
         Ok(c)
     }
@@ -72,5 +114,10 @@ mod tests {
         assert_eq!(c.patch_values(), 3 * 2 * 14 * 14);
         let bad = serde_json::json!({"vision_config": {"embed_dim": 30, "num_heads": 4}});
         assert!(Qwen2VisionConfig::from_json(&bad).is_err());
+        let v25 = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2, "hidden_size": 32,
+            "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1]}});
+        let c = Qwen2VisionConfig::from_json(&v25).unwrap();
+        assert_eq!((c.embed_dim, c.hidden_size, c.mlp_hidden, c.hidden_act.as_str()), (32, 64, 64, "silu"));
+        assert_eq!(c.window, Some(WindowAttention { window_size: 56, fullatt_block_indexes: vec![1] }));
     }
 }

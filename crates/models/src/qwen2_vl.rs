@@ -1,14 +1,14 @@
-//! Qwen2-VL's vision tower (`Qwen2VisionTransformerPretrainedModel`, Wang et al. 2024,
-//! "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at Any
-//! Resolution"): the patch embedding over `temporal_patch_size × patch_size²` values
+//! The Qwen-VL vision towers: Qwen2-VL's (`Qwen2VisionTransformerPretrainedModel`, Wang
+//! et al. 2024, "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at
+//! Any Resolution") and Qwen2.5-VL's (`Qwen2_5_VisionTransformerPretrainedModel`, Bai et
+//! al. 2025: RMSNorm, a SwiGLU MLP, and window attention, the patches permuted into
+//! windows and back). The patch embedding over `temporal_patch_size × patch_size²` values
 //! (transformers' Conv3d, whose stride is its kernel: one GEMM), pre-norm blocks of
 //! attention with 2-D rotary positions (height, width) and an MLP, attention within
 //! each frame of each image only (a batch of images is one packed sequence, never padded
 //! to the largest), and the patch merger (LayerNorm, then an MLP over each
 //! `spatial_merge_size²` group of patches, which the preprocessor laid out
-//! consecutively). Reads `vision_config`: `depth`, `embed_dim`, `mlp_ratio`,
-//! `num_heads`, `in_chans`, `hidden_size`, `patch_size`, `spatial_merge_size`,
-//! `temporal_patch_size`, `hidden_act`.
+//! consecutively). Reads `vision_config` through `Qwen2VisionConfig`.
 
 use candle_core::{D, DType, Device, Module, Tensor};
 use mmserve_config::Qwen2VisionConfig;
@@ -24,19 +24,52 @@ const EPS: f64 = 1e-6;
 /// The rotary embedding's base.
 const THETA: f64 = 10_000.0;
 
+/// LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL).
+enum Norm {
+    Layer(LayerNorm),
+    Rms(candle_nn::RmsNorm),
+}
+
+impl Norm {
+    fn load(s: &Scope, name: &str, d: usize, rms: bool) -> Result<Self, ModelError> {
+        Ok(if rms { Norm::Rms(s.rms_norm(name, d, EPS)?) } else { Norm::Layer(s.layer_norm(name, d, EPS)?) })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Norm::Layer(n) => n.forward(x),
+            Norm::Rms(n) => n.forward(x),
+        }
+    }
+}
+
+/// `fc2(act(fc1(x)))` (Qwen2-VL) or `down(act(gate(x)) · up(x))` (Qwen2.5-VL).
+enum Mlp {
+    Plain { fc1: Linear, fc2: Linear },
+    Gated { gate: Linear, up: Linear, down: Linear },
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
+        match self {
+            Mlp::Plain { fc1, fc2 } => fc2.forward(&act.apply(&fc1.forward(x)?)?),
+            Mlp::Gated { gate, up, down } => down.forward(&(act.apply(&gate.forward(x)?)? * up.forward(x)?)?),
+        }
+    }
+}
+
 struct Block {
-    norm1: LayerNorm,
+    norm1: Norm,
     qkv: Linear,
     proj: Linear,
-    norm2: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+    norm2: Norm,
+    mlp: Mlp,
 }
 
 pub struct Qwen2VisionTower {
     patch: Linear,
     blocks: Vec<Block>,
-    ln_q: LayerNorm,
+    ln_q: Norm,
     merge_fc1: Linear,
     merge_fc2: Linear,
     act: Activation,
@@ -58,14 +91,22 @@ impl Grid {
 }
 
 impl Block {
-    fn load(s: &Scope, d: usize, mlp: usize) -> Result<Self, ModelError> {
+    fn load(s: &Scope, d: usize, hidden: usize, v25: bool) -> Result<Self, ModelError> {
+        let mlp = if v25 {
+            Mlp::Gated {
+                gate: s.linear("mlp.gate_proj", d, hidden, true)?,
+                up: s.linear("mlp.up_proj", d, hidden, true)?,
+                down: s.linear("mlp.down_proj", hidden, d, true)?,
+            }
+        } else {
+            Mlp::Plain { fc1: s.linear("mlp.fc1", d, hidden, true)?, fc2: s.linear("mlp.fc2", hidden, d, true)? }
+        };
         Ok(Block {
-            norm1: s.layer_norm("norm1", d, EPS)?,
+            norm1: Norm::load(s, "norm1", d, v25)?,
             qkv: s.linear("attn.qkv", d, 3 * d, true)?,
             proj: s.linear("attn.proj", d, d, true)?,
-            norm2: s.layer_norm("norm2", d, EPS)?,
-            fc1: s.linear("mlp.fc1", d, mlp, true)?,
-            fc2: s.linear("mlp.fc2", mlp, d, true)?,
+            norm2: Norm::load(s, "norm2", d, v25)?,
+            mlp,
         })
     }
 }
@@ -79,14 +120,15 @@ impl Qwen2VisionTower {
             (d, cfg.in_chans, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
         )?;
         let patch = Linear::new(conv.reshape((d, cfg.patch_values()))?, None, weights.kernels());
+        let v25 = cfg.window.is_some();
         let blocks = (0..cfg.depth)
-            .map(|i| Block::load(&s.pp("blocks").pp(i), d, d * cfg.mlp_ratio))
+            .map(|i| Block::load(&s.pp("blocks").pp(i), d, cfg.mlp_hidden, v25))
             .collect::<Result<_, _>>()?;
         let merged = d * cfg.spatial_merge_size * cfg.spatial_merge_size;
         Ok(Qwen2VisionTower {
             patch,
             blocks,
-            ln_q: s.layer_norm("merger.ln_q", d, EPS)?,
+            ln_q: Norm::load(&s, "merger.ln_q", d, v25)?,
             merge_fc1: s.linear("merger.mlp.0", merged, merged, true)?,
             merge_fc2: s.linear("merger.mlp.2", merged, cfg.hidden_size, true)?,
             act: Activation::from_name(&cfg.hidden_act)?,
@@ -101,7 +143,8 @@ impl Qwen2VisionTower {
         Ok(self.forward_layers(pixels, grids)?.1)
     }
 
-    /// [`forward`](Self::forward), with every block's output (the parity tests' view).
+    /// [`forward`](Self::forward), with every block's output (the parity tests' view; in
+    /// window order for Qwen2.5-VL, as transformers' blocks see them).
     pub fn forward_layers(&self, pixels: &Tensor, grids: &[Grid]) -> Result<(Vec<Tensor>, Tensor), ModelError> {
         let n: usize = grids.iter().map(Grid::patches).sum();
         let (rows, values) = pixels.dims2()?;
@@ -117,20 +160,46 @@ impl Qwen2VisionTower {
         }
         let dtype = self.patch.dtype();
         let mut x = self.patch.forward(&pixels.to_dtype(dtype)?)?;
-        let (cos, sin) = self.rotary(grids, x.device())?;
+        let (mut cos, mut sin) = self.rotary(grids, x.device())?;
         // Attention runs within each frame: h·w patches at a time.
         let frames: Vec<usize> = grids.iter().flat_map(|g| std::iter::repeat_n(g.h * g.w, g.t)).collect();
+        // Qwen2.5-VL: patches regrouped into windows (whole merge groups at a time).
+        let windows = match &self.cfg.window {
+            Some(w) => {
+                let (order, lens) = window_order(grids, m, w.window_size / m / self.cfg.patch_size);
+                let unit = m * m;
+                let rows: Vec<u32> =
+                    order.iter().flat_map(|&u| (0..unit).map(move |i| (u * unit + i) as u32)).collect();
+                let rows = Tensor::new(rows.as_slice(), x.device())?;
+                x = x.index_select(&rows, 0)?;
+                (cos, sin) = (cos.index_select(&rows, 0)?, sin.index_select(&rows, 0)?);
+                Some((order, lens.iter().map(|l| l * unit).collect::<Vec<_>>(), &w.fullatt_block_indexes))
+            }
+            None => None,
+        };
         let mut layers = Vec::with_capacity(self.blocks.len());
-        for b in &self.blocks {
+        for (i, b) in self.blocks.iter().enumerate() {
+            let segments = match &windows {
+                Some((_, lens, full)) if !full.contains(&i) => lens.as_slice(),
+                _ => frames.as_slice(),
+            };
             let h = b.norm1.forward(&x)?;
-            let attn = self.attention(b, &h, &cos, &sin, &frames)?;
+            let attn = self.attention(b, &h, &cos, &sin, segments)?;
             x = (x + b.proj.forward(&attn)?)?;
             let h = b.norm2.forward(&x)?;
-            x = (&x + b.fc2.forward(&self.act.apply(&b.fc1.forward(&h)?)?)?)?;
+            x = (&x + b.mlp.forward(&h, self.act)?)?;
             layers.push(x.clone());
         }
         let merged = self.ln_q.forward(&x)?.reshape((n / (m * m), ()))?;
-        let out = self.merge_fc2.forward(&Activation::Gelu.apply(&self.merge_fc1.forward(&merged)?)?)?;
+        let mut out = self.merge_fc2.forward(&Activation::Gelu.apply(&self.merge_fc1.forward(&merged)?)?)?;
+        if let Some((order, _, _)) = &windows {
+            // Back to the image's order: row `order[j]` of the output is merged row j.
+            let mut back = vec![0u32; order.len()];
+            for (j, &u) in order.iter().enumerate() {
+                back[u] = j as u32;
+            }
+            out = out.index_select(&Tensor::new(back.as_slice(), out.device())?, 0)?;
+        }
         Ok((layers, out))
     }
 
@@ -198,6 +267,33 @@ impl Qwen2VisionTower {
         }
         Ok(Tensor::cat(&outs, 0)?.reshape((n, d))?)
     }
+}
+
+/// Qwen2.5-VL's windows over merge groups: each frame's grid of merged patches cut into
+/// windows of `size × size` groups (the last ones in each direction short), row by
+/// row of windows. Returns the merge groups in window order and each window's group
+/// count (windows that hold none left out).
+fn window_order(grids: &[Grid], m: usize, size: usize) -> (Vec<usize>, Vec<usize>) {
+    let (mut order, mut lens) = (Vec::new(), Vec::new());
+    let mut base = 0;
+    for g in grids {
+        let (gh, gw) = (g.h / m, g.w / m);
+        for t in 0..g.t {
+            for wy in (0..gh).step_by(size) {
+                for wx in (0..gw).step_by(size) {
+                    let before = order.len();
+                    for y in wy..(wy + size).min(gh) {
+                        for x in wx..(wx + size).min(gw) {
+                            order.push(base + (t * gh + y) * gw + x);
+                        }
+                    }
+                    lens.push(order.len() - before);
+                }
+            }
+        }
+        base += g.t * gh * gw;
+    }
+    (order, lens)
 }
 
 /// (block row, block column, row in block, column in block), in that nesting order.

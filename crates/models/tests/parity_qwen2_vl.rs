@@ -38,3 +38,33 @@ fn vision_tower_and_merger_match_transformers() {
     let twice = tower.forward(&both, &[grid, grid]).unwrap();
     assert_close("second image of a pair", &twice.narrow(0, 12, 12).unwrap(), &r.tensor("mm_projector_output"), TOL);
 }
+
+/// Qwen2.5-VL: RMSNorm, the SwiGLU MLP, window attention in block 0 (the 3×4 grid of
+/// merged patches does not divide into the 2×2 windows: the last row and column of
+/// windows are short) and full attention in block 1; tied embeddings elsewhere.
+#[test]
+fn qwen2_5_vision_tower_with_windows_matches_transformers() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/models/qwen2.5-vl-tiny");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = Qwen2VisionConfig::from_json(&config).unwrap();
+    assert!(cfg.window.is_some());
+    let weights = Weights::open(&WeightFiles::Single(dir.join("model.safetensors")), &Device::Cpu, DType::F32).unwrap();
+    let tower = Qwen2VisionTower::from_weights(&weights, &cfg).unwrap();
+    let r = Reference::at(&dir);
+    let grid = Grid { t: 1, h: 6, w: 8 };
+    let (layers, merged) = tower.forward_layers(&r.tensor("pixel_values"), &[grid]).unwrap();
+    for (i, out) in layers.iter().enumerate() {
+        assert_close(
+            &format!("vision block {i} (window order)"),
+            out,
+            &r.tensor(&format!("encoder_layer_{i}_output")),
+            TOL,
+        );
+    }
+    // transformers' merger output is in window order (it reorders after): merged groups
+    // 0, 1, 4, 5 | 2, 3, 6, 7 | 8, 9 | 10, 11 of the 3×4 grid.
+    let order = candle_core::Tensor::new(&[0u32, 1, 4, 5, 2, 3, 6, 7, 8, 9, 10, 11], &Device::Cpu).unwrap();
+    let windowed = merged.index_select(&order, 0).unwrap();
+    assert_close("merger (in window order)", &windowed, &r.tensor("mm_projector_output"), TOL);
+}
