@@ -16,6 +16,7 @@ pub mod decode;
 pub mod error;
 pub mod header;
 mod jpeg;
+pub mod mrope;
 mod orient;
 pub mod processor;
 pub mod qwen2vl;

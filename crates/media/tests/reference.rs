@@ -137,3 +137,30 @@ fn qwen2_vl_processor_matches_transformers() {
         assert_eq!(proc.num_tokens(100, 80).unwrap(), Some(12));
     }
 }
+
+/// M-RoPE positions of the Qwen2-VL fixture's prompt (its `<|image_pad|>` run is the
+/// image's 1×3×4 merged grid) equal transformers' `position_ids`, all three streams.
+#[test]
+fn mrope_positions_match_transformers() {
+    use mmserve_media::mrope::{Span, mrope_positions};
+    for fixture in ["qwen2-vl-tiny", "qwen2.5-vl-tiny"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/models").join(fixture);
+        let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let i64s = |name: &str| -> Vec<i64> {
+            st.tensor(name).unwrap().data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
+        };
+        let ids = i64s("input_ids");
+        let image_token = 2012;
+        let first = ids.iter().position(|&t| t == image_token).unwrap();
+        let count = ids.iter().filter(|&&t| t == image_token).count();
+        assert_eq!(count, 12);
+        let spans = [Span::Text(first), Span::Image { t: 1, h: 3, w: 4 }, Span::Text(ids.len() - first - count)];
+        let (pos, _) = mrope_positions(&spans);
+        let want = i64s("position_ids");
+        let l = ids.len();
+        for (s, stream) in pos.iter().enumerate() {
+            assert_eq!(stream.as_slice(), &want[s * l..(s + 1) * l], "{fixture}: stream {s}");
+        }
+    }
+}
