@@ -17,8 +17,11 @@ pub struct LlamaConfig {
     pub head_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
-    /// `default` unless the config asks for scaled RoPE (not supported yet).
+    /// `default`, `mrope` (Qwen-VL's multimodal RoPE), or a scaled RoPE (not supported yet).
     pub rope_type: String,
+    /// `mrope`: how many of the head's rotary frequencies follow the temporal, height and
+    /// width positions (empty otherwise).
+    pub mrope_section: Vec<usize>,
     pub max_position_embeddings: usize,
     pub hidden_act: String,
     /// Bias on the q, k and v projections.
@@ -92,6 +95,13 @@ impl LlamaConfig {
             .and_then(Value::as_str)
             .unwrap_or("default")
             .to_string();
+        let mrope_section = match rope.or(rope_scaling).and_then(|r| r.get("mrope_section")) {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().map(|n| n as usize).ok_or("rope_scaling.mrope_section: not counts"))
+                .collect::<Result<Vec<_>, _>>()?,
+            _ => Vec::new(),
+        };
         Ok(LlamaConfig {
             vocab_size: f.usize_or("vocab_size", d.vocab_size)?,
             hidden_size,
@@ -103,6 +113,7 @@ impl LlamaConfig {
             rms_norm_eps: f.f64_or("rms_norm_eps", d.rms_norm_eps)?,
             rope_theta,
             rope_type,
+            mrope_section,
             max_position_embeddings: f.usize_or("max_position_embeddings", d.max_position_embeddings)?,
             hidden_act: f.str_or("hidden_act", "silu")?,
             attention_bias: false,

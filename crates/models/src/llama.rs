@@ -300,6 +300,15 @@ struct DecoderLayer {
 }
 
 /// `LlamaForCausalLM`.
+/// The rotary positions of a step's rows.
+#[derive(Clone, Copy)]
+pub(crate) enum Rope<'a> {
+    /// One position per row.
+    Linear(&'a [usize]),
+    /// Qwen-VL's M-RoPE: temporal, height and width positions per row.
+    Multi(&'a [Vec<i64>; 3]),
+}
+
 pub struct Llama {
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
@@ -319,8 +328,16 @@ impl Llama {
     }
 
     pub fn from_weights(weights: &Weights, cfg: &LlamaConfig) -> Result<Self, ModelError> {
-        if cfg.rope_type != "default" {
-            return Err(ModelError::Unsupported(format!("rope_type {:?}", cfg.rope_type)));
+        match cfg.rope_type.as_str() {
+            "default" => {}
+            "mrope" if cfg.mrope_section.len() == 3 && 2 * cfg.mrope_section.iter().sum::<usize>() == cfg.head_dim => {}
+            "mrope" => {
+                return Err(ModelError::Unsupported(format!(
+                    "mrope_section {:?} does not cover half of head_dim {}",
+                    cfg.mrope_section, cfg.head_dim
+                )));
+            }
+            other => return Err(ModelError::Unsupported(format!("rope_type {other:?}"))),
         }
         if !cfg.head_dim.is_multiple_of(2) {
             return Err(ModelError::Unsupported(format!("odd head_dim {}", cfg.head_dim)));
@@ -458,11 +475,60 @@ impl Llama {
 
     fn run(&self, input_embeds: &Tensor, seqs: &mut [SeqInput<'_>], all_rows: bool) -> candle_core::Result<Tensor> {
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.cache.len..s.cache.len + s.new_tokens).collect();
+        self.run_contiguous(input_embeds, Rope::Linear(&positions), seqs, all_rows)
+    }
+
+    fn run_contiguous(
+        &self,
+        input_embeds: &Tensor,
+        rope: Rope<'_>,
+        seqs: &mut [SeqInput<'_>],
+        all_rows: bool,
+    ) -> candle_core::Result<Tensor> {
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
-        self.run_layers(input_embeds, &positions, (!all_rows).then_some(&lens[..]), None, |layer, attn, q, kv| {
+        self.run_layers(input_embeds, rope, (!all_rows).then_some(&lens[..]), None, |layer, attn, q, kv| {
             let Some((k, v)) = kv else { candle_core::bail!("no keys and values for the contiguous cache") };
             attn.forward_contiguous((q, k, v), seqs, layer)
         })
+    }
+
+    /// One sequence's prompt at Qwen-VL's multimodal positions (`positions`: temporal,
+    /// height and width ids per row, see `mmserve_media::mrope`), with no cache: f32
+    /// logits [rows, vocab]. The parity tests' entry; serving carries the positions with
+    /// the request.
+    pub fn forward_mrope(&self, input_embeds: &Tensor, positions: &[Vec<i64>; 3]) -> Result<Tensor, ModelError> {
+        if self.cfg.mrope_section.len() != 3 {
+            return Err(ModelError::InvalidInput("the model has no mrope_section".into()));
+        }
+        let n = input_embeds.dim(0)?;
+        if positions.iter().any(|p| p.len() != n) {
+            return Err(ModelError::InvalidInput(format!("positions for {n} rows expected")));
+        }
+        let mut cache = self.new_cache();
+        let mut seqs = [SeqInput { new_tokens: n, cache: &mut cache }];
+        let hidden = self.run_contiguous(input_embeds, Rope::Multi(positions), &mut seqs, true)?;
+        Ok(self.lm_head.forward(&hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// cos and sin [rows, head_dim / 2] of the rotary angles at `rope`'s positions: one
+    /// position per row, or for M-RoPE the temporal, height and width positions, each
+    /// turning its section of the frequencies.
+    fn rotary(&self, rope: Rope<'_>, rows: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let angles = match rope {
+            Rope::Linear(positions) => {
+                let positions: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
+                Tensor::from_vec(positions, (rows, 1), self.device())?.broadcast_mul(&self.inv_freq)?
+            }
+            Rope::Multi(streams) => {
+                let half = self.cfg.head_dim / 2;
+                let stream_of: Vec<usize> =
+                    (0..3).flat_map(|s| std::iter::repeat_n(s, self.cfg.mrope_section[s])).collect();
+                let p: Vec<f32> =
+                    (0..rows).flat_map(|r| stream_of.iter().map(move |&s| streams[s][r] as f32)).collect();
+                Tensor::from_vec(p, (rows, half), self.device())?.broadcast_mul(&self.inv_freq)?
+            }
+        };
+        Ok((angles.cos()?.to_dtype(self.dtype())?, angles.sin()?.to_dtype(self.dtype())?))
     }
 
     /// The decoder stack over `input_embeds` [T, hidden] at `positions` (one per row):
@@ -473,15 +539,12 @@ impl Llama {
     pub(crate) fn run_layers(
         &self,
         input_embeds: &Tensor,
-        positions: &[usize],
+        rope: Rope<'_>,
         last_of: Option<&[usize]>,
         pools: Option<LayerPools<'_>>,
         mut attention: impl FnMut(usize, &Attention, &Tensor, Option<(&Tensor, &Tensor)>) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
-        let positions: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
-        let positions = Tensor::from_vec(positions, (input_embeds.dim(0)?, 1), self.device())?;
-        let angles = positions.broadcast_mul(&self.inv_freq)?;
-        let (cos, sin) = (angles.cos()?.to_dtype(self.dtype())?, angles.sin()?.to_dtype(self.dtype())?);
+        let (cos, sin) = self.rotary(rope, input_embeds.dim(0)?)?;
 
         // The residual stream `x` and the block output still to be added to it: on the
         // GPU each addition happens in the kernel of the norm that follows it.

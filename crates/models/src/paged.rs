@@ -297,7 +297,7 @@ impl Llama {
         let pools = device.is_cuda().then_some(LayerPools { k: &kv.k, v: &kv.v, slots: &slots });
         let hidden = self.run_layers(
             input_embeds,
-            &positions,
+            crate::llama::Rope::Linear(&positions),
             (!all_logits).then_some(&lens[..]),
             pools,
             |layer, attn, q, new| {

@@ -68,3 +68,55 @@ fn qwen2_5_vision_tower_with_windows_matches_transformers() {
     let windowed = merged.index_select(&order, 0).unwrap();
     assert_close("merger (in window order)", &windowed, &r.tensor("mm_projector_output"), TOL);
 }
+
+/// The Qwen2 language model at M-RoPE positions: the prompt with the merger's rows at
+/// the `<|image_pad|>` positions gives transformers' logits; the text-only prompt (all
+/// three streams alike) too; 8 greedy tokens, each at the next position in all streams,
+/// are transformers'. Both fixtures (Qwen2.5-VL's has tied embeddings).
+#[test]
+fn language_model_at_mrope_positions_matches_transformers() {
+    use mmserve_config::LlamaConfig;
+    use mmserve_media::mrope::{Span, mrope_positions};
+    use mmserve_models::{Llama, merge_image_embeddings};
+    for name in ["qwen2-vl-tiny", "qwen2.5-vl-tiny"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/models").join(name);
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let text = LlamaConfig::qwen2_from_json(&config, false).unwrap();
+        assert_eq!(text.mrope_section, [2, 3, 3]);
+        let weights =
+            Weights::open(&WeightFiles::Single(dir.join("model.safetensors")), &Device::Cpu, DType::F32).unwrap();
+        let llama = Llama::from_weights(&weights, &text).unwrap();
+        let tower = Qwen2VisionTower::from_weights(&weights, &Qwen2VisionConfig::from_json(&config).unwrap()).unwrap();
+        let r = Reference::at(&dir);
+        let ids = r.ids("input_ids");
+        let rows = tower.forward(&r.tensor("pixel_values"), &[Grid { t: 1, h: 6, w: 8 }]).unwrap();
+        let image_token = 2012;
+        let embeds = merge_image_embeddings(&llama, &ids, image_token, &rows).unwrap();
+        let first = ids.iter().position(|&t| t == image_token).unwrap();
+        let spans = [Span::Text(first), Span::Image { t: 1, h: 3, w: 4 }, Span::Text(ids.len() - first - 12)];
+        let (mut pos, delta) = mrope_positions(&spans);
+        let logits = llama.forward_mrope(&embeds, &pos).unwrap();
+        assert_close(&format!("{name}: logits"), &logits, &r.tensor("logits"), TOL);
+        // Greedy, each new token one past the last position in all three streams.
+        let mut embeds = embeds;
+        let mut got = Vec::new();
+        for _ in 0..8 {
+            let logits = llama.forward_mrope(&embeds, &pos).unwrap();
+            let last = logits.get(logits.dim(0).unwrap() - 1).unwrap();
+            let next = last.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+            got.push(next);
+            let p = pos[0].len() as i64 + delta;
+            for s in &mut pos {
+                s.push(p);
+            }
+            embeds = candle_core::Tensor::cat(&[&embeds, &llama.embed_tokens(&[next]).unwrap()], 0).unwrap();
+        }
+        assert_eq!(got, r.ids("generated_ids"), "{name}: greedy tokens");
+        // The text-only prompt: M-RoPE with three equal streams is the plain rotary.
+        let text_ids = r.ids("text_only_input_ids");
+        let (tp, _) = mrope_positions(&[Span::Text(text_ids.len())]);
+        let logits = llama.forward_mrope(&llama.embed_tokens(&text_ids).unwrap(), &tp).unwrap();
+        assert_close(&format!("{name}: text-only logits"), &logits, &r.tensor("text_only_logits"), TOL);
+    }
+}
