@@ -120,4 +120,25 @@ mod tests {
         assert_eq!((c.embed_dim, c.hidden_size, c.mlp_hidden, c.hidden_act.as_str()), (32, 64, 64, "silu"));
         assert_eq!(c.window, Some(WindowAttention { window_size: 56, fullatt_block_indexes: vec![1] }));
     }
+
+    /// The real 7B configurations under `assets/` (for `--load-format dummy` runs) parse
+    /// into their published shapes.
+    #[test]
+    fn the_7b_configs_in_assets_parse() {
+        let read = |d: &str| -> Value {
+            let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../assets/models")
+                .join(d)
+                .join("config.json");
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+        };
+        let v2 = Qwen2VisionConfig::from_json(&read("qwen2-vl-7b-instruct")).unwrap();
+        assert_eq!((v2.depth, v2.embed_dim, v2.num_heads, v2.hidden_size, v2.mlp_hidden), (32, 1280, 16, 3584, 5120));
+        assert!(v2.window.is_none());
+        let v25 = Qwen2VisionConfig::from_json(&read("qwen2.5-vl-7b-instruct")).unwrap();
+        assert_eq!((v25.embed_dim, v25.hidden_size, v25.mlp_hidden), (1280, 3584, 3420));
+        assert_eq!(v25.window.unwrap().fullatt_block_indexes, [7, 15, 23, 31]);
+        let text = crate::LlamaConfig::qwen2_from_json(&read("qwen2.5-vl-7b-instruct"), false).unwrap();
+        assert_eq!((text.num_key_value_heads, text.head_dim, text.mrope_section.clone()), (4, 128, vec![16, 24, 24]));
+    }
 }
