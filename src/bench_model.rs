@@ -144,8 +144,10 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         let mut next = Vec::with_capacity(batch);
         for chunk in (0..batch).collect::<Vec<_>>().chunks(group) {
             let embeds = Tensor::cat(&vec![llama.embed_tokens(&ids)?; chunk.len()], 0)?;
-            let seqs: Vec<PagedSeq<'_>> =
-                chunk.iter().map(|&s| PagedSeq { start: 0, new_tokens: b.prompt, block_table: &tables[s] }).collect();
+            let seqs: Vec<PagedSeq<'_>> = chunk
+                .iter()
+                .map(|&s| PagedSeq { start: 0, new_tokens: b.prompt, block_table: &tables[s], mrope: None })
+                .collect();
             let logits = llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
             next.extend(mmserve_ops::argmax_rows(&logits)?);
         }
@@ -161,7 +163,7 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
             let step_start = Instant::now();
             let embeds = llama.embed_tokens(&next)?;
             let seqs: Vec<PagedSeq<'_>> = (0..batch)
-                .map(|s| PagedSeq { start: b.prompt + step, new_tokens: 1, block_table: &tables[s] })
+                .map(|s| PagedSeq { start: b.prompt + step, new_tokens: 1, block_table: &tables[s], mrope: None })
                 .collect();
             let logits = llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
             issue += step_start.elapsed();
@@ -189,7 +191,7 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         let table: Vec<u32> = (0..blocks as u32).collect();
         let ids: Vec<u32> = (0..b.prefill).map(|i| (i * 104729 % (t.vocab_size - 1)) as u32 + 1).collect();
         let embeds = llama.embed_tokens(&ids)?;
-        let seqs = [PagedSeq { start: 0, new_tokens: b.prefill, block_table: &table }];
+        let seqs = [PagedSeq { start: 0, new_tokens: b.prefill, block_table: &table, mrope: None }];
         let (secs, issue) = timed(&device, b.repeats, &mut || {
             llama.forward_paged(&embeds, &seqs, &mut kv, false)?;
             Ok(())
@@ -371,7 +373,7 @@ fn parity(
     let blocks = ids.len().div_ceil(bs);
     let mut kv = PagedKv::new(llama, blocks, bs, llama.dtype())?;
     let table: Vec<u32> = (0..blocks as u32).rev().collect();
-    let seqs = [PagedSeq { start: 0, new_tokens: ids.len(), block_table: &table }];
+    let seqs = [PagedSeq { start: 0, new_tokens: ids.len(), block_table: &table, mrope: None }];
     let paged = llama.forward_paged(&embeds, &seqs, &mut kv, true)?;
     let (paged_abs, paged_rel, _) = diff(&paged, &want)?;
     // A step that mixes a short run of queries (the prompt's last 20 tokens, after the
@@ -384,14 +386,14 @@ fn parity(
         ((0..per_seq as u32).collect(), (per_seq as u32..2 * per_seq as u32).rev().collect());
     llama.forward_paged(
         &embeds.narrow(0, 0, head)?,
-        &[PagedSeq { start: 0, new_tokens: head, block_table: &ta }],
+        &[PagedSeq { start: 0, new_tokens: head, block_table: &ta, mrope: None }],
         &mut kv,
         false,
     )?;
     let both = Tensor::cat(&[embeds.narrow(0, head, tail)?, embeds.clone()], 0)?;
     let seqs = [
-        PagedSeq { start: head, new_tokens: tail, block_table: &ta },
-        PagedSeq { start: 0, new_tokens: ids.len(), block_table: &tb },
+        PagedSeq { start: head, new_tokens: tail, block_table: &ta, mrope: None },
+        PagedSeq { start: 0, new_tokens: ids.len(), block_table: &tb, mrope: None },
     ];
     let mixed = llama.forward_paged(&both, &seqs, &mut kv, true)?;
     let mixed_want = Tensor::cat(&[want.narrow(0, head, tail)?, want.clone()], 0)?;
@@ -427,7 +429,7 @@ fn parity(
     let (mut input, mut start, mut got_paged) = (embeds, 0, Vec::new());
     for _ in 0..want_ids.len() {
         let n = input.dim(0)?;
-        let seqs = [PagedSeq { start, new_tokens: n, block_table: &table }];
+        let seqs = [PagedSeq { start, new_tokens: n, block_table: &table, mrope: None }];
         let row = llama.forward_paged(&input, &seqs, &mut kv, false)?;
         let next = mmserve_ops::argmax_rows(&row)?[0];
         got_paged.push(next);

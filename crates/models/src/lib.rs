@@ -30,7 +30,7 @@ pub use linear::Linear;
 pub use llama::{KvCache, Llama, SeqInput};
 pub use llava::{LlavaVision, merge_image_embeddings};
 pub use load::{LoadFormat, Placement, PlacementArgs, default_device_name, parse_device, resolve_dtype};
-pub use paged::{PagedKv, PagedSeq};
+pub use paged::{MropePositions, PagedKv, PagedSeq};
 pub use qwen2_audio::{AudioFeatures, Qwen2AudioEncoder};
 pub use qwen2_vl::{Grid, Qwen2VisionTower};
 pub use weights::{Naming, Weights, parse_dtype};

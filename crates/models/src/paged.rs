@@ -192,6 +192,28 @@ pub struct PagedSeq<'a> {
     pub new_tokens: usize,
     /// The sequence's blocks in position order; must cover `start + new_tokens` tokens.
     pub block_table: &'a [u32],
+    /// Qwen-VL's multimodal positions of the sequence (the model must have an
+    /// `mrope_section`); `None`: each position is its index.
+    pub mrope: Option<&'a MropePositions>,
+}
+
+/// One sequence's M-RoPE positions: its prompt's temporal, height and width streams
+/// (`mmserve_media::mrope`), and `delta`: position `p` past the prompt is `p + delta` in
+/// all three.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MropePositions {
+    pub prompt: [Vec<i64>; 3],
+    pub delta: i64,
+}
+
+impl MropePositions {
+    /// The three position ids of position `p`.
+    pub fn at(&self, p: usize) -> [i64; 3] {
+        match self.prompt[0].get(p) {
+            Some(&t) => [t, self.prompt[1][p], self.prompt[2][p]],
+            None => [p as i64 + self.delta; 3],
+        }
+    }
 }
 
 impl Llama {
@@ -265,6 +287,26 @@ impl Llama {
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let positions: Vec<usize> = seqs.iter().flat_map(|s| s.start..s.start + s.new_tokens).collect();
+        // M-RoPE rows, where any sequence has them: the others' three streams alike.
+        let streams = seqs.iter().any(|s| s.mrope.is_some()).then(|| {
+            let mut streams: [Vec<i64>; 3] = Default::default();
+            for s in seqs {
+                for p in s.start..s.start + s.new_tokens {
+                    let ids = s.mrope.map_or([p as i64; 3], |m| m.at(p));
+                    for (stream, id) in streams.iter_mut().zip(ids) {
+                        stream.push(id);
+                    }
+                }
+            }
+            streams
+        });
+        if streams.is_some() && cfg.mrope_section.len() != 3 {
+            return Err(ModelError::InvalidInput("M-RoPE positions for a model without mrope_section".into()));
+        }
+        let rope = match &streams {
+            Some(s) => crate::llama::Rope::Multi(s),
+            None => crate::llama::Rope::Linear(&positions),
+        };
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens).collect();
         let kv = &*kv;
         // On the GPU every query of a sequence with few new tokens (decodes, the tail of a
@@ -295,12 +337,8 @@ impl Llama {
         };
         // On the GPU the q/k/v projection writes k and v into their slots itself.
         let pools = device.is_cuda().then_some(LayerPools { k: &kv.k, v: &kv.v, slots: &slots });
-        let hidden = self.run_layers(
-            input_embeds,
-            crate::llama::Rope::Linear(&positions),
-            (!all_logits).then_some(&lens[..]),
-            pools,
-            |layer, attn, q, new| {
+        let hidden =
+            self.run_layers(input_embeds, rope, (!all_logits).then_some(&lens[..]), pools, |layer, attn, q, new| {
                 if let Some((k, v)) = new {
                     kv.write(layer, &slots, k, v)?;
                 }
@@ -348,8 +386,7 @@ impl Llama {
                     offset += s.new_tokens;
                 }
                 Tensor::cat(&outs, 0)
-            },
-        )?;
+            })?;
         Ok(candle_core::Module::forward(self.lm_head(), &hidden)?.to_dtype(DType::F32)?)
     }
 }

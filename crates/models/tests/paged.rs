@@ -40,7 +40,7 @@ fn check_one(llama: &Llama, prompt: &Tensor, block_size: usize, chunk: usize, wh
     let mut start = 0;
     while start < n {
         let len = chunk.min(n - start);
-        let seq = PagedSeq { start, new_tokens: len, block_table: &t };
+        let seq = PagedSeq { start, new_tokens: len, block_table: &t, mrope: None };
         let logits = llama.forward_paged(&prompt.narrow(0, start, len).unwrap(), &[seq], &mut kv, true).unwrap();
         assert_close(
             &format!("{what}: bs {block_size}, chunk {chunk}, rows {start}.."),
@@ -52,7 +52,7 @@ fn check_one(llama: &Llama, prompt: &Tensor, block_size: usize, chunk: usize, wh
     }
     for (i, (tok, want)) in decodes.iter().enumerate() {
         let e = llama.embed_tokens(&[*tok]).unwrap();
-        let seq = PagedSeq { start: n + i, new_tokens: 1, block_table: &t };
+        let seq = PagedSeq { start: n + i, new_tokens: 1, block_table: &t, mrope: None };
         let got = llama.forward_paged(&e, &[seq], &mut kv, false).unwrap();
         assert_close(&format!("{what}: bs {block_size}, decode {i}"), &got.i(0).unwrap(), want, TOL);
     }
@@ -81,8 +81,8 @@ fn two_sequences_in_one_step_match_single_runs() {
     let tt: Vec<u32> = (0..(nt + 1).div_ceil(4) as u32).map(|i| 2 * i + 1).collect();
     let batch = Tensor::cat(&[&image, &text], 0).unwrap();
     let seqs = [
-        PagedSeq { start: 0, new_tokens: ni, block_table: &ti },
-        PagedSeq { start: 0, new_tokens: nt, block_table: &tt },
+        PagedSeq { start: 0, new_tokens: ni, block_table: &ti, mrope: None },
+        PagedSeq { start: 0, new_tokens: nt, block_table: &tt, mrope: None },
     ];
     let logits = llama.forward_paged(&batch, &seqs, &mut kv, false).unwrap();
     assert_close("batched paged prefill, image", &logits.i(0).unwrap(), &image_all.i(ni - 1).unwrap(), TOL);
@@ -90,8 +90,8 @@ fn two_sequences_in_one_step_match_single_runs() {
 
     let step = llama.embed_tokens(&[image_dec[0].0, text_dec[0].0]).unwrap();
     let seqs = [
-        PagedSeq { start: ni, new_tokens: 1, block_table: &ti },
-        PagedSeq { start: nt, new_tokens: 1, block_table: &tt },
+        PagedSeq { start: ni, new_tokens: 1, block_table: &ti, mrope: None },
+        PagedSeq { start: nt, new_tokens: 1, block_table: &tt, mrope: None },
     ];
     let logits = llama.forward_paged(&step, &seqs, &mut kv, false).unwrap();
     assert_close("batched paged decode, image", &logits.i(0).unwrap(), &image_dec[0].1, TOL);
@@ -108,14 +108,16 @@ fn shared_prefix_blocks_and_copies() {
     let bs = 4;
     let mut kv = PagedKv::new(&llama, 32, bs, DType::F32).unwrap();
     let first: Vec<u32> = (0..n.div_ceil(bs) as u32).collect();
-    llama.forward_paged(&text, &[PagedSeq { start: 0, new_tokens: n, block_table: &first }], &mut kv, false).unwrap();
+    llama
+        .forward_paged(&text, &[PagedSeq { start: 0, new_tokens: n, block_table: &first, mrope: None }], &mut kv, false)
+        .unwrap();
     // A second sequence reuses the first full blocks (a prefix-cache hit) and computes
     // only the rest, in fresh blocks; the partly shared block is copied first.
     let cached = (n - 1) / bs * bs;
     let mut second: Vec<u32> = first[..cached / bs].to_vec();
     second.extend((0..(n - cached).div_ceil(bs) as u32).map(|i| 20 + i));
     kv.copy_block(first[cached / bs], second[cached / bs]).unwrap();
-    let seq = PagedSeq { start: cached, new_tokens: n - cached, block_table: &second };
+    let seq = PagedSeq { start: cached, new_tokens: n - cached, block_table: &second, mrope: None };
     let logits = llama.forward_paged(&text.narrow(0, cached, n - cached).unwrap(), &[seq], &mut kv, true).unwrap();
     assert_close("prefix hit", &logits, &all.narrow(0, cached, n - cached).unwrap(), TOL);
     assert!(kv.copy_block(0, 32).is_err());
@@ -127,12 +129,12 @@ fn bad_paged_steps_are_errors() {
     let n = text.dim(0).unwrap();
     let mut kv = PagedKv::new(&llama, 4, 4, DType::F32).unwrap();
     let short = [0u32, 1];
-    let seq = PagedSeq { start: 0, new_tokens: n, block_table: &short };
+    let seq = PagedSeq { start: 0, new_tokens: n, block_table: &short, mrope: None };
     assert!(matches!(llama.forward_paged(&text, &[seq], &mut kv, false), Err(ModelError::InvalidInput(_))));
     let bad = [0u32, 9, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3];
-    let seq = PagedSeq { start: 0, new_tokens: n, block_table: &bad };
+    let seq = PagedSeq { start: 0, new_tokens: n, block_table: &bad, mrope: None };
     assert!(matches!(llama.forward_paged(&text, &[seq], &mut kv, false), Err(ModelError::InvalidInput(_))));
-    let seq = PagedSeq { start: 0, new_tokens: n - 1, block_table: &bad };
+    let seq = PagedSeq { start: 0, new_tokens: n - 1, block_table: &bad, mrope: None };
     assert!(llama.forward_paged(&text, &[seq], &mut kv, false).is_err());
     assert!(PagedKv::new(&llama, 0, 4, DType::F32).is_err());
 }

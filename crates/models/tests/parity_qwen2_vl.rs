@@ -120,3 +120,46 @@ fn language_model_at_mrope_positions_matches_transformers() {
         assert_close(&format!("{name}: text-only logits"), &logits, &r.tensor("text_only_logits"), TOL);
     }
 }
+
+/// The same prompt through the paged KV pool, in two prefill chunks that split the
+/// image's rows, then 8 greedy decode steps: transformers' last-row logits and tokens.
+#[test]
+fn the_paged_path_carries_mrope_positions() {
+    use mmserve_config::LlamaConfig;
+    use mmserve_media::mrope::{Span, mrope_positions};
+    use mmserve_models::{Llama, MropePositions, PagedKv, PagedSeq, merge_image_embeddings};
+    let dir = dir();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let weights = Weights::open(&WeightFiles::Single(dir.join("model.safetensors")), &Device::Cpu, DType::F32).unwrap();
+    let llama = Llama::from_weights(&weights, &LlamaConfig::qwen2_from_json(&config, false).unwrap()).unwrap();
+    let tower = Qwen2VisionTower::from_weights(&weights, &Qwen2VisionConfig::from_json(&config).unwrap()).unwrap();
+    let r = Reference::at(&dir);
+    let ids = r.ids("input_ids");
+    let rows = tower.forward(&r.tensor("pixel_values"), &[Grid { t: 1, h: 6, w: 8 }]).unwrap();
+    let embeds = merge_image_embeddings(&llama, &ids, 2012, &rows).unwrap();
+    let first = ids.iter().position(|&t| t == 2012).unwrap();
+    let spans = [Span::Text(first), Span::Image { t: 1, h: 3, w: 4 }, Span::Text(ids.len() - first - 12)];
+    let (prompt, delta) = mrope_positions(&spans);
+    let mrope = MropePositions { prompt, delta };
+    let (bs, n) = (4, ids.len());
+    let blocks = (n + 8).div_ceil(bs);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let mut kv = PagedKv::new(&llama, blocks, bs, DType::F32).unwrap();
+    // A chunk boundary inside the image's rows.
+    let cut = first + 5;
+    let seq = |start, new_tokens| PagedSeq { start, new_tokens, block_table: &table, mrope: Some(&mrope) };
+    llama.forward_paged(&embeds.narrow(0, 0, cut).unwrap(), &[seq(0, cut)], &mut kv, false).unwrap();
+    let last =
+        llama.forward_paged(&embeds.narrow(0, cut, n - cut).unwrap(), &[seq(cut, n - cut)], &mut kv, false).unwrap();
+    assert_close("last-row logits", &last.squeeze(0).unwrap(), &r.tensor("logits_last"), TOL);
+    let mut next = last.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
+    let mut got = vec![next];
+    for step in 0..7 {
+        let row = llama.embed_tokens(&[next]).unwrap();
+        let logits = llama.forward_paged(&row, &[seq(n + step, 1)], &mut kv, false).unwrap();
+        next = logits.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        got.push(next);
+    }
+    assert_eq!(got, r.ids("generated_ids"));
+}

@@ -77,7 +77,7 @@ impl ModelRunner for LlamaRunner {
         let seqs: Vec<PagedSeq<'_>> = batch
             .seqs
             .iter()
-            .map(|s| PagedSeq { start: s.start, new_tokens: s.n, block_table: s.block_table })
+            .map(|s| PagedSeq { start: s.start, new_tokens: s.n, block_table: s.block_table, mrope: None })
             .collect();
         let input = self.arena.rows.gather(self.model.embed_table(), &sources).map_err(|e| e.to_string())?;
         self.model.forward_paged(&input, &seqs, &mut self.kv, false).map_err(|e| e.to_string())
