@@ -75,6 +75,17 @@ pub struct GenerateRequest {
     /// Choice `i > 0` of a request with `n` choices: the id of choice 0, whose prompt
     /// (the same ids) it shares. The engine prefills the prompt once and forks it.
     pub sibling_of: Option<u64>,
+    /// Qwen-VL's multimodal rotary positions of the prompt (computed where the prompt is
+    /// built); `None` for models whose positions are the token indexes.
+    pub positions: Option<MropePrompt>,
+}
+
+/// A prompt's M-RoPE positions: temporal, height and width ids per prompt token, and
+/// the offset of every later position (`p + delta` in all three).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MropePrompt {
+    pub streams: [Vec<i64>; 3],
+    pub delta: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

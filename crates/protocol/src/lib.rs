@@ -17,7 +17,7 @@ pub use cache::{
 };
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};
 pub use engine::{
-    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, OutputEvent,
+    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, MropePrompt, OutputEvent,
     SamplingParams, TokenLogprobs,
 };
 

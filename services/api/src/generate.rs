@@ -273,6 +273,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
             cache_instance,
             params,
             sibling_of: (i > 0).then_some(request_id),
+            positions: None,
         };
         // Marked before the call: if this handler is dropped after the engine accepted the
         // request, the guard still aborts it (aborting an unknown id is harmless).

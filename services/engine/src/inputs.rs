@@ -18,10 +18,25 @@ enum Source {
     Slot(u64),
 }
 
-/// Checks a request against the model and the arena before it is admitted.
-pub fn validate(req: &GenerateRequest, vocab: usize, arena_slots: u64, max_len: usize) -> Result<(), EngineError> {
+/// Checks a request against the model and the arena before it is admitted (`mrope`:
+/// whether the model takes multimodal positions).
+pub fn validate(
+    req: &GenerateRequest,
+    vocab: usize,
+    arena_slots: u64,
+    max_len: usize,
+    mrope: bool,
+) -> Result<(), EngineError> {
     if req.prompt_ids.is_empty() {
         return Err(EngineError::Invalid("the prompt is empty".into()));
+    }
+    if let Some(p) = &req.positions {
+        if !mrope {
+            return Err(EngineError::Invalid("multimodal positions for a model without M-RoPE".into()));
+        }
+        if p.streams.iter().any(|s| s.len() != req.prompt_ids.len()) {
+            return Err(EngineError::Invalid(format!("positions for {} prompt tokens expected", req.prompt_ids.len())));
+        }
     }
     let total = req.prompt_ids.len() as u64 + u64::from(req.params.max_tokens);
     if total > max_len as u64 {
@@ -82,5 +97,36 @@ impl ModelArena {
             tracing::warn!(why, "the arena is not mapped for the device; item rows are staged through host memory");
         }
         Ok(ModelArena { rows, view })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mmserve_protocol::{MropePrompt, SamplingParams};
+
+    use super::*;
+
+    fn request(positions: Option<MropePrompt>) -> GenerateRequest {
+        GenerateRequest {
+            id: 1,
+            client: 1,
+            prompt_ids: vec![1, 2, 3],
+            items: Vec::new(),
+            cache_instance: 0,
+            params: SamplingParams { max_tokens: 4, ..Default::default() },
+            sibling_of: None,
+            positions,
+        }
+    }
+
+    #[test]
+    fn positions_must_fit_the_prompt_and_the_model() {
+        let fits = MropePrompt { streams: [vec![0, 1, 2], vec![0, 1, 2], vec![0, 1, 2]], delta: 0 };
+        assert!(validate(&request(Some(fits.clone())), 10, 0, 100, true).is_ok());
+        assert!(validate(&request(None), 10, 0, 100, true).is_ok(), "text alone: the plain positions");
+        let e = validate(&request(Some(fits)), 10, 0, 100, false).unwrap_err();
+        assert!(e.to_string().contains("without M-RoPE"), "{e}");
+        let short = MropePrompt { streams: [vec![0, 1], vec![0, 1], vec![0, 1]], delta: 0 };
+        assert!(validate(&request(Some(short)), 10, 0, 100, true).unwrap_err().to_string().contains("3 prompt tokens"));
     }
 }

@@ -10,6 +10,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
 use mmserve_arena::ArenaView;
+use mmserve_models::MropePositions;
 use mmserve_protocol::{FinishReason, GenerateRequest};
 
 use crate::output::{Detok, OutputProcessor};
@@ -30,6 +31,8 @@ pub enum Command {
 pub struct SeqState {
     pub sampling: SamplingState,
     pub detok: Detok,
+    /// The prompt's multimodal positions (Qwen-VL), as the model takes them.
+    pub mrope: Option<MropePositions>,
 }
 
 pub struct ModelLoop<R> {
@@ -85,7 +88,9 @@ impl<R: ModelRunner> ModelLoop<R> {
                     }
                     let sampling = SamplingState::new(&req, self.runner.vocab_size(), self.output.tokenizer.eos_ids());
                     let detok = Detok::new(&req);
-                    self.sched.submit(Seq::new(req, SeqState { sampling, detok }));
+                    let mrope =
+                        req.positions.as_ref().map(|p| MropePositions { prompt: p.streams.clone(), delta: p.delta });
+                    self.sched.submit(Seq::new(req, SeqState { sampling, detok, mrope }));
                 }
             }
             Command::Remap(view) => {
@@ -169,6 +174,7 @@ impl<R: ModelRunner> ModelLoop<R> {
                 start: seq.computed(),
                 n: p.n,
                 block_table: self.sched.block_table(p.index)?,
+                mrope: seq.state.mrope.as_ref(),
             });
             batch.copies.extend(p.copy);
         }

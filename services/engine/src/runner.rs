@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use mmserve_arena::ArenaView;
-use mmserve_models::{Llama, PagedKv, PagedSeq};
+use mmserve_models::{Llama, MropePositions, PagedKv, PagedSeq};
 use mmserve_ops::text_source;
 use mmserve_protocol::ItemSpan;
 
@@ -22,6 +22,8 @@ pub struct BatchSeq<'a> {
     pub start: usize,
     pub n: usize,
     pub block_table: &'a [BlockId],
+    /// The sequence's multimodal positions (Qwen-VL), if it has them.
+    pub mrope: Option<&'a MropePositions>,
 }
 
 /// One model step: the sequences in plan order, and block copies to make first.
@@ -77,7 +79,7 @@ impl ModelRunner for LlamaRunner {
         let seqs: Vec<PagedSeq<'_>> = batch
             .seqs
             .iter()
-            .map(|s| PagedSeq { start: s.start, new_tokens: s.n, block_table: s.block_table, mrope: None })
+            .map(|s| PagedSeq { start: s.start, new_tokens: s.n, block_table: s.block_table, mrope: s.mrope })
             .collect();
         let input = self.arena.rows.gather(self.model.embed_table(), &sources).map_err(|e| e.to_string())?;
         self.model.forward_paged(&input, &seqs, &mut self.kv, false).map_err(|e| e.to_string())

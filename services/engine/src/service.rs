@@ -70,6 +70,8 @@ pub struct EngineService {
     counts: Arc<Counts>,
     vocab: usize,
     max_len: usize,
+    /// The model takes multimodal (M-RoPE) positions.
+    mrope: bool,
     /// Token slots of the KV pool, and tokens per block: what one request may need.
     pool_tokens: usize,
     block_size: usize,
@@ -90,6 +92,7 @@ impl EngineService {
         let view = Arc::new(ArenaView::open(&info)?);
         let vocab = model.config().vocab_size;
         let max_len = model.config().max_position_embeddings;
+        let mrope = !model.config().mrope_section.is_empty();
         let cfg = model.config();
         let dtype = model.dtype();
         let kv = &args.kv;
@@ -136,6 +139,7 @@ impl EngineService {
             counts,
             vocab,
             max_len,
+            mrope,
             pool_tokens,
             block_size: args.kv.block_size,
             arena: Arc::new(ArenaMap::shared(view)),
@@ -203,7 +207,7 @@ impl Engine for EngineService {
                 true => 0,
                 false => self.arena_for(request.cache_instance).await?.slots,
             };
-            validate(request, self.vocab, slots, self.max_len)?;
+            validate(request, self.vocab, slots, self.max_len, self.mrope)?;
             // Alone in the pool, with its last block partly empty: what can never fit is refused.
             let need =
                 request.prompt_ids.len() as u64 + u64::from(request.params.max_tokens) + self.block_size as u64 - 1;

@@ -131,7 +131,16 @@ impl Harness {
 }
 
 fn request(id: u64, prompt_ids: Vec<u64>, params: SamplingParams) -> GenerateRequest {
-    GenerateRequest { id, client: CLIENT, prompt_ids, items: Vec::new(), cache_instance: 0, params, sibling_of: None }
+    GenerateRequest {
+        id,
+        client: CLIENT,
+        prompt_ids,
+        items: Vec::new(),
+        cache_instance: 0,
+        params,
+        sibling_of: None,
+        positions: None,
+    }
 }
 
 fn greedy(max_tokens: u32) -> SamplingParams {

@@ -131,7 +131,16 @@ impl Sim {
 }
 
 fn request(id: u64, prompt_ids: Vec<u64>, params: SamplingParams) -> GenerateRequest {
-    GenerateRequest { id, client: 1, prompt_ids, items: Vec::new(), cache_instance: 0, params, sibling_of: None }
+    GenerateRequest {
+        id,
+        client: 1,
+        prompt_ids,
+        items: Vec::new(),
+        cache_instance: 0,
+        params,
+        sibling_of: None,
+        positions: None,
+    }
 }
 
 fn submit(s: &mut Scheduler<()>, req: GenerateRequest) {
