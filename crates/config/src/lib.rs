@@ -15,12 +15,13 @@ mod qwen2_vl;
 pub use files::{ModelDir, WeightFiles};
 pub use llava::{ClipVisionConfig, FeatureSelect, LlamaConfig, LlavaConfig};
 pub use qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig, audio_token_count};
-pub use qwen2_vl::{Qwen2VisionConfig, WindowAttention};
+pub use qwen2_vl::{Qwen2VisionConfig, Qwen2VlConfig, WindowAttention};
 
 use std::path::PathBuf;
 
 /// The architectures mmserve serves.
-pub const SUPPORTED: &str = "LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration";
+pub const SUPPORTED: &str = "LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration, \
+                             Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -43,6 +44,8 @@ pub enum ConfigError {
 pub enum ModelConfig {
     Llava(LlavaConfig),
     Qwen2Audio(Qwen2AudioConfig),
+    /// Qwen2-VL and Qwen2.5-VL.
+    Qwen2Vl(Qwen2VlConfig),
 }
 
 /// What kind of media items a model takes.
@@ -63,6 +66,10 @@ impl ModelConfig {
         if model_type == "qwen2_audio" || arch == "Qwen2AudioForConditionalGeneration" {
             return Qwen2AudioConfig::from_json(value).map(ModelConfig::Qwen2Audio);
         }
+        let qwen_vl = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"];
+        if model_type == "qwen2_vl" || model_type == "qwen2_5_vl" || qwen_vl.contains(&arch) {
+            return Qwen2VlConfig::from_json(value).map(ModelConfig::Qwen2Vl);
+        }
         Err(format!("unsupported architecture {arch:?} (model_type {model_type:?}); supported: {SUPPORTED}"))
     }
 
@@ -71,6 +78,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Llava(c) => &c.text,
             ModelConfig::Qwen2Audio(c) => &c.text,
+            ModelConfig::Qwen2Vl(c) => &c.text,
         }
     }
 
@@ -89,13 +97,14 @@ impl ModelConfig {
         match self {
             ModelConfig::Llava(c) => &c.dtype,
             ModelConfig::Qwen2Audio(c) => &c.dtype,
+            ModelConfig::Qwen2Vl(c) => &c.dtype,
         }
     }
 
     /// The media the model takes.
     pub fn media(&self) -> MediaKind {
         match self {
-            ModelConfig::Llava(_) => MediaKind::Image,
+            ModelConfig::Llava(_) | ModelConfig::Qwen2Vl(_) => MediaKind::Image,
             ModelConfig::Qwen2Audio(_) => MediaKind::Audio,
         }
     }

@@ -100,6 +100,35 @@ impl Qwen2VisionConfig {
     }
 }
 
+/// `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`: the vision
+/// tower, a Qwen2 language model with M-RoPE, and the image placeholder's id.
+#[derive(Debug, Clone)]
+pub struct Qwen2VlConfig {
+    pub text: crate::LlamaConfig,
+    pub vision: Qwen2VisionConfig,
+    /// `<|image_pad|>`: the chat template writes one per image; the api expands it.
+    pub image_token_id: u32,
+    pub dtype: String,
+}
+
+impl Qwen2VlConfig {
+    /// The Hub's flat layout (text fields at the top) or v5's (`text_config`).
+    pub fn from_json(v: &Value) -> Result<Self, String> {
+        let text_json = v.get("text_config").filter(|t| t.is_object()).unwrap_or(v);
+        let text = crate::LlamaConfig::qwen2_from_json(text_json, false)?;
+        if text.rope_type != "mrope" || text.mrope_section.len() != 3 {
+            return Err("a Qwen-VL config needs rope_scaling {type: mrope, mrope_section: [t, h, w]}".into());
+        }
+        let top = Fields::new(v, "config");
+        let image_token_id = match top.get("image_token_id").or_else(|| text_json.get("image_token_id")) {
+            Some(x) => x.as_u64().ok_or("config.image_token_id must be an id")? as u32,
+            None => 151655,
+        };
+        let dtype = crate::defaults::checkpoint_dtype(&top, text_json)?;
+        Ok(Qwen2VlConfig { text, vision: Qwen2VisionConfig::from_json(v)?, image_token_id, dtype })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -82,6 +82,18 @@ impl ImageProcessor {
         }
     }
 
+    /// The grid of merged patches (rows, columns) an image of `width × height` pixels
+    /// becomes, where the processor decides it (Qwen2-VL); `None` for CLIP.
+    pub fn merged_grid(&self, width: u32, height: u32) -> Result<Option<(usize, usize)>, MediaError> {
+        match self {
+            Self::Clip(_) => Ok(None),
+            Self::Qwen2Vl(p) => {
+                let (h, w) = p.smart_resize(height, width)?;
+                Ok(Some(((h / p.factor()) as usize, (w / p.factor()) as usize)))
+            }
+        }
+    }
+
     /// transformers' `pixel_values` (and `image_grid_thw`) for this image.
     pub fn preprocess(&self, img: &RgbImage) -> Result<ImagePixels, MediaError> {
         match self {

@@ -249,6 +249,14 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
     let prompt_ids = expand(&ids, state.item_token, &ranges)?;
+    // Qwen-VL: each image's block of tokens takes its grid's positions.
+    let positions = if state.mrope && items.iter().any(|i| i.grid.is_some()) {
+        let grids: Vec<(u64, (usize, usize))> =
+            records.iter().zip(&items).filter_map(|(r, i)| i.grid.map(|g| (r.token_id, g))).collect();
+        Some(mrope_prompt(&prompt_ids, &grids))
+    } else {
+        None
+    };
     let mut spans: Vec<ItemSpan> = Vec::new();
     for r in &records {
         if !spans.iter().any(|s| s.token_id == r.token_id) {
@@ -273,7 +281,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
             cache_instance,
             params,
             sibling_of: (i > 0).then_some(request_id),
-            positions: None,
+            positions: positions.clone(),
         };
         // Marked before the call: if this handler is dropped after the engine accepted the
         // request, the guard still aborts it (aborting an unknown id is harmless).
@@ -345,4 +353,34 @@ async fn reserve(
         rpc("encoder", state.encoder.encode(deadline(te), missing).await)??;
     }
     Ok((instance, records))
+}
+
+/// The M-RoPE positions of an expanded prompt whose items (by first virtual id) lay out
+/// `grids` of merged patches: text runs count up, each image's block takes its grid.
+fn mrope_prompt(prompt_ids: &[u64], grids: &[(u64, (usize, usize))]) -> mmserve_protocol::MropePrompt {
+    use mmserve_media::mrope::{Span, mrope_positions};
+    let mut spans = Vec::new();
+    let mut i = 0;
+    let mut text = 0;
+    while i < prompt_ids.len() {
+        match grids.iter().find(|(start, _)| *start == prompt_ids[i]) {
+            Some(&(_, (h, w))) => {
+                if text > 0 {
+                    spans.push(Span::Text(text));
+                    text = 0;
+                }
+                spans.push(Span::Image { t: 1, h, w });
+                i += h * w;
+            }
+            None => {
+                text += 1;
+                i += 1;
+            }
+        }
+    }
+    if text > 0 {
+        spans.push(Span::Text(text));
+    }
+    let (streams, delta) = mrope_positions(&spans);
+    mmserve_protocol::MropePrompt { streams, delta }
 }

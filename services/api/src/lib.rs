@@ -228,7 +228,13 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
             let fe = WhisperFeatureExtractor::from_json(&pp)?;
             (ModelMedia::Audio(fe), cfg.audio_token_index)
         }
+        // Each image's token count comes from its size (dynamic resolution).
+        ModelConfig::Qwen2Vl(cfg) => {
+            let processor = ImageProcessor::from_json(&pp)?;
+            (ModelMedia::Image { processor, model_tokens: 0 }, cfg.image_token_id)
+        }
     };
+    let mrope = !dir.config.text().mrope_section.is_empty();
     let name = args.served_model_name.clone().unwrap_or_else(|| dir.name.clone());
     let local_root = match &args.media.allowed_local_media_path {
         Some(p) => {
@@ -287,6 +293,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         },
         info.max_model_len,
         (cache, encoder, engine),
+        mrope,
         arena,
         load,
         Timeouts {

@@ -35,6 +35,8 @@ pub struct MediaItem {
     pub digest: ItemDigest,
     pub modality: Modality,
     pub token_num: u32,
+    /// Qwen-VL images: the merged patch grid (rows, columns) the tokens lay out.
+    pub grid: Option<(usize, usize)>,
 }
 
 /// What the served model takes, with what prepares it.
@@ -217,8 +219,9 @@ fn check_image(
         Some(n) => u32::try_from(n).map_err(|_| ApiError::bad_param("image_url", "the image is too large"))?,
         None => model_tokens,
     };
+    let grid = processor.merged_grid(w, h).map_err(bad)?;
     let digest = ItemDigest::compute(Modality::Image, fingerprint, &bytes);
-    Ok(MediaItem { bytes, digest, modality: Modality::Image, token_num })
+    Ok(MediaItem { bytes, digest, modality: Modality::Image, token_num, grid })
 }
 
 fn audio(
@@ -251,7 +254,7 @@ fn audio(
     let token_num = fe.qwen2_audio_tokens_for(used.len()).map_err(bad)?;
     let digest = ItemDigest::compute(Modality::Audio, fingerprint, &bytes);
     let pcm: Vec<u8> = used.iter().flat_map(|s| s.to_le_bytes()).collect();
-    Ok(MediaItem { bytes: pcm, digest, modality: Modality::Audio, token_num: token_num as u32 })
+    Ok(MediaItem { bytes: pcm, digest, modality: Modality::Audio, token_num: token_num as u32, grid: None })
 }
 
 #[cfg(test)]

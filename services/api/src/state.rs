@@ -20,6 +20,8 @@ pub struct AppState {
     pub template: ChatTemplate,
     /// The id the chat template writes for one media item (`<image>`, `<|AUDIO|>`).
     pub item_token: u32,
+    /// The model takes M-RoPE positions (Qwen-VL): the api computes them per prompt.
+    pub mrope: bool,
     /// Everything besides the bytes that changes an item's embedding.
     pub fingerprint: String,
     pub limits: MediaLimits,
@@ -84,6 +86,7 @@ impl AppState {
         limits: MediaLimits,
         max_model_len: u64,
         clients: (CacheConnection, EncoderClient, EngineClient),
+        mrope: bool,
         arena: ArenaMap,
         load: Arc<LoadGate>,
         timeouts: Timeouts,
@@ -94,6 +97,7 @@ impl AppState {
             tokenizer,
             template,
             item_token,
+            mrope,
             fingerprint,
             limits,
             max_model_len,

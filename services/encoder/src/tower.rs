@@ -5,8 +5,8 @@
 use candle_core::{Device, Tensor};
 use mmserve_config::{ModelConfig, ModelDir};
 use mmserve_media::audio::WhisperFeatureExtractor;
-use mmserve_media::{ClipImageProcessor, ImageLimits, decode_image};
-use mmserve_models::{LlavaVision, Placement, Qwen2AudioEncoder};
+use mmserve_media::{ClipImageProcessor, ImageLimits, Qwen2VlImageProcessor, decode_image};
+use mmserve_models::{Grid, LlavaVision, Placement, Qwen2AudioEncoder, Qwen2VisionTower};
 
 use crate::EncoderServiceError;
 
@@ -15,6 +15,9 @@ pub(crate) enum Tower {
     Vision { model: LlavaVision, device: Device },
     /// Qwen2-Audio: log-mel features → audio tower, pooling and projector.
     Audio { model: Qwen2AudioEncoder, features: WhisperFeatureExtractor, device: Device },
+    /// Qwen2-VL / Qwen2.5-VL: each image's patches at its own size → the tower and merger,
+    /// the batch as one packed sequence.
+    QwenVl { model: Box<Qwen2VisionTower>, patch_values: usize, merge: usize, device: Device },
 }
 
 /// What turns an item's bytes into its tower input, on the CPU: shared by the threads
@@ -24,6 +27,8 @@ pub(crate) enum Preparer {
     Vision { processor: ClipImageProcessor, limits: ImageLimits },
     /// Qwen2-Audio: 16 kHz mono samples (decoded by the api) → log-mel features.
     Audio { features: WhisperFeatureExtractor },
+    /// Qwen-VL: the image file → patches at its dynamic resolution.
+    QwenVl { processor: Qwen2VlImageProcessor, limits: ImageLimits },
 }
 
 /// One item's tower input.
@@ -31,6 +36,8 @@ pub(crate) struct Input {
     values: Vec<f32>,
     /// Audio: mel frames that hold the clip (the rest is padding).
     valid_frames: usize,
+    /// Qwen-VL: the image's patch grid.
+    grid: Option<Grid>,
 }
 
 impl Tower {
@@ -61,12 +68,23 @@ impl Tower {
                 let tower = Tower::Audio { model, features: features.clone(), device: placement.device.clone() };
                 Ok((tower, Preparer::Audio { features }))
             }
+            ModelConfig::Qwen2Vl(cfg) => {
+                let processor = Qwen2VlImageProcessor::from_json(&pp)?;
+                let model = Qwen2VisionTower::from_weights(&placement.weights(dir)?, &cfg.vision)?;
+                let tower = Tower::QwenVl {
+                    model: Box::new(model),
+                    patch_values: cfg.vision.patch_values(),
+                    merge: cfg.vision.spatial_merge_size,
+                    device: placement.device.clone(),
+                };
+                Ok((tower, Preparer::QwenVl { processor, limits: ImageLimits::default() }))
+            }
         }
     }
 
     pub(crate) fn device(&self) -> &Device {
         match self {
-            Tower::Vision { device, .. } | Tower::Audio { device, .. } => device,
+            Tower::Vision { device, .. } | Tower::Audio { device, .. } | Tower::QwenVl { device, .. } => device,
         }
     }
 
@@ -91,6 +109,23 @@ impl Tower {
                 let input = Tensor::from_vec(values, shape, device).map_err(|e| e.to_string())?;
                 Ok(model.encode(&input, &valid).map_err(|e| e.to_string())?)
             }
+            Tower::QwenVl { model, patch_values, merge, device } => {
+                let grids: Vec<Grid> =
+                    inputs.iter().map(|i| i.grid.ok_or("an input without its grid")).collect::<Result<_, _>>()?;
+                let values: Vec<f32> = inputs.into_iter().flat_map(|i| i.values).collect();
+                let rows = values.len() / *patch_values;
+                let input = Tensor::from_vec(values, (rows, *patch_values), device).map_err(|e| e.to_string())?;
+                let out = model.forward(&input, &grids).map_err(|e| e.to_string())?;
+                let mut at = 0;
+                grids
+                    .iter()
+                    .map(|g| {
+                        let n = g.t * g.h * g.w / (merge * merge);
+                        at += n;
+                        out.narrow(0, at - n, n)
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
+            }
         };
         out.map_err(|e| e.to_string())
     }
@@ -103,7 +138,13 @@ impl Preparer {
             Preparer::Vision { processor, limits } => {
                 let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
                 let values = processor.preprocess(&img).map_err(|e| e.to_string())?;
-                Ok(Input { values, valid_frames: 0 })
+                Ok(Input { values, valid_frames: 0, grid: None })
+            }
+            Preparer::QwenVl { processor, limits } => {
+                let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
+                let p = processor.preprocess(&img).map_err(|e| e.to_string())?;
+                let [t, h, w] = p.grid_thw.map(|n| n as usize);
+                Ok(Input { values: p.pixel_values, valid_frames: 0, grid: Some(Grid { t, h, w }) })
             }
             Preparer::Audio { features } => {
                 if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
@@ -112,7 +153,7 @@ impl Preparer {
                 let samples: Vec<f32> =
                     bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
                 let f = features.extract(&samples);
-                Ok(Input { values: f.input_features, valid_frames: f.valid_frames })
+                Ok(Input { values: f.input_features, valid_frames: f.valid_frames, grid: None })
             }
         }
     }

@@ -1,0 +1,45 @@
+//! Qwen2-VL and Qwen2.5-VL through `mmserve serve`: the fixture's image at its dynamic
+//! resolution (12 tokens), its prompt at M-RoPE positions computed by the api, gives
+//! transformers' prompt and greedy tokens, streamed and not; a repeated image hits the
+//! embed cache and the prefix cache and gives the same tokens.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+
+fn request(model: &str, url: &str, stream: bool) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is shown in this image?"}
+        ]}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": true,
+        "return_token_ids": true,
+        "stream": stream,
+    })
+}
+
+#[tokio::test]
+async fn greedy_tokens_match_transformers_for_both_qwen_vl_models() {
+    for name in ["qwen2-vl-tiny", "qwen2.5-vl-tiny"] {
+        let dir = repo().join("assets/models").join(name);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let png = std::fs::read(dir.join("input.png")).unwrap();
+        let server = Server::start_model(&dir, &[]);
+        let (status, body) = server.chat(&request(name, &data_url(&png), false)).await;
+        assert_eq!(status, 200, "{name}: {body}");
+        let prompt = ids(&body["prompt_token_ids"]);
+        assert_eq!(prompt.len(), ids(&reference["input_ids"]).len(), "{name}: 12 image tokens and the text");
+        assert_eq!(ids(&body["choices"][0]["token_ids"]), ids(&reference["generated_ids"]), "{name}");
+        // Again: the embed cache and the prefix cache serve it, the same tokens come.
+        let (_, again) = server.chat(&request(name, &data_url(&png), false)).await;
+        assert_eq!(ids(&again["choices"][0]["token_ids"]), ids(&reference["generated_ids"]), "{name}: hit");
+        assert!(server.metric("mmserve_embed_cache_hits_total").await >= 1);
+        server.stop();
+    }
+}
