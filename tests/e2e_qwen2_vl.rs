@@ -40,6 +40,21 @@ async fn greedy_tokens_match_transformers_for_both_qwen_vl_models() {
         let (_, again) = server.chat(&request(name, &data_url(&png), false)).await;
         assert_eq!(ids(&again["choices"][0]["token_ids"]), ids(&reference["generated_ids"]), "{name}: hit");
         assert!(server.metric("mmserve_embed_cache_hits_total").await >= 1);
+        // Bad images are a 400: an aspect ratio past 200 (transformers refuses it), and
+        // a tiny one is scaled up to min_pixels rather than refused.
+        let thin = png_of(300, 1);
+        let (status, body) = server.chat(&request(name, &data_url(&thin), false)).await;
+        assert_eq!(status, 400, "{name}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("200"), "{body}");
+        let (status, body) = server.chat(&request(name, &data_url(&png_of(3, 3)), false)).await;
+        assert_eq!(status, 200, "{name}: {body}");
         server.stop();
     }
+}
+
+fn png_of(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 3) as u8, (y * 5) as u8, 7]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
 }
