@@ -36,6 +36,8 @@ async fn greedy_tokens_match_transformers_for_both_qwen_vl_models() {
         let prompt = ids(&body["prompt_token_ids"]);
         assert_eq!(prompt.len(), ids(&reference["input_ids"]).len(), "{name}: 12 image tokens and the text");
         assert_eq!(ids(&body["choices"][0]["token_ids"]), ids(&reference["generated_ids"]), "{name}");
+        assert_eq!(body["usage"]["prompt_tokens_details"]["image_tokens"], 12, "{name}: {body}");
+        assert_eq!(body["usage"]["prompt_tokens"], prompt.len(), "{name}");
         // Again: the embed cache and the prefix cache serve it, the same tokens come.
         let (_, again) = server.chat(&request(name, &data_url(&png), false)).await;
         assert_eq!(ids(&again["choices"][0]["token_ids"]), ids(&reference["generated_ids"]), "{name}: hit");
