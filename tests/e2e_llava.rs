@@ -355,3 +355,31 @@ async fn stop_strings_logprobs_n_and_seeds() {
     assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
     server.stop();
 }
+
+/// A field the server does not implement is refused with a 400 naming it, never answered
+/// as if it were honoured; metadata fields and unknown extras are accepted.
+#[tokio::test]
+async fn unimplemented_fields_are_refused_by_name() {
+    let server = Server::start(&[]);
+    let base = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    for (field, value) in [
+        ("logit_bias", json!({"5": 100})),
+        ("response_format", json!({"type": "json_object"})),
+        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+        ("tool_choice", json!("auto")),
+    ] {
+        let mut body = base.clone();
+        body[field] = value;
+        let (status, v) = server.chat(&body).await;
+        assert_eq!(status, 400, "{field}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(field));
+    }
+    let mut body = base.clone();
+    body["user"] = json!("someone");
+    body["a_field_nobody_knows"] = json!(1);
+    body["tools"] = Value::Null;
+    let (status, v) = server.chat(&body).await;
+    assert_eq!(status, 200, "{v}");
+    server.stop();
+}

@@ -53,6 +53,52 @@ pub struct ChatRequest {
     /// Adds `token_ids` to each choice (and `prompt_token_ids` to the response).
     #[serde(default)]
     pub return_token_ids: bool,
+    /// Every other field: refused when it is one mmserve does not implement
+    /// ([`UNSUPPORTED`]), else logged and ignored, as vLLM does.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
+}
+
+/// Fields of OpenAI's chat completion request that mmserve does not implement: a request
+/// with one is refused (400, naming it) rather than answered as if it were honoured.
+pub const UNSUPPORTED: &[&str] = &[
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+];
+
+/// Fields OpenAI clients send that change nothing here (metadata), accepted quietly.
+const NO_EFFECT: &[&str] = &["user", "store", "metadata", "service_tier"];
+
+impl ChatRequest {
+    /// Refuses what is not implemented; returns the unknown fields (to be logged).
+    pub fn unsupported(&self) -> Result<Vec<&str>, &str> {
+        let mut unknown = Vec::new();
+        for (key, value) in &self.other {
+            if value.is_null() || NO_EFFECT.contains(&key.as_str()) {
+                continue;
+            }
+            if UNSUPPORTED.contains(&key.as_str()) {
+                return Err(key);
+            }
+            unknown.push(key.as_str());
+        }
+        Ok(unknown)
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -99,6 +99,11 @@ async fn chat_inner(state: &Arc<AppState>, body: Body, max_body_bytes: usize) ->
     let req: ChatRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid chat completion request: {e}")))?;
     drop(body);
+    match req.unsupported() {
+        Err(field) => return Err(ApiError::bad_param(field, format!("`{field}` is not supported by this server"))),
+        Ok(unknown) if !unknown.is_empty() => tracing::warn!(fields = ?unknown, "ignoring unknown request fields"),
+        Ok(_) => {}
+    }
     let started = start(state, &req, queued).await?;
     Metrics::add(&state.metrics.prompt_tokens, started.prompt_ids.len() as u64);
     let id = format!("chatcmpl-{:x}", state.new_request_id());
