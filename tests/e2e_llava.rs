@@ -363,7 +363,6 @@ async fn unimplemented_fields_are_refused_by_name() {
     let server = Server::start(&[]);
     let base = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     for (field, value) in [
-        ("logit_bias", json!({"5": 100})),
         ("response_format", json!({"type": "json_object"})),
         ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
         ("tool_choice", json!("auto")),
@@ -381,5 +380,29 @@ async fn unimplemented_fields_are_refused_by_name() {
     body["tools"] = Value::Null;
     let (status, v) = server.chat(&body).await;
     assert_eq!(status, 200, "{v}");
+    server.stop();
+}
+
+/// `logit_bias` as OpenAI defines it: +100 makes a token certain under greedy decoding,
+/// -100 removes it; malformed biases are a 400 naming the field.
+#[tokio::test]
+async fn logit_bias_moves_the_choice_and_bad_biases_are_refused() {
+    let server = Server::start(&[]);
+    let body = |bias: Value| {
+        json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
+               "temperature": 0, "ignore_eos": true, "return_token_ids": true, "logit_bias": bias})
+    };
+    let (status, v) = server.chat(&body(json!({"42": 100}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), [42, 42, 42, 42]);
+    let (_, plain) = server.chat(&body(Value::Null)).await;
+    let first = ids(&plain["choices"][0]["token_ids"])[0];
+    let (_, banned) = server.chat(&body(json!({first.to_string(): -100}))).await;
+    assert_ne!(ids(&banned["choices"][0]["token_ids"])[0], first, "a -100 bias removes the greedy choice");
+    for bad in [json!({"abc": 1}), json!({"42": 101}), json!({"99999999": 1})] {
+        let (status, v) = server.chat(&body(bad.clone())).await;
+        assert_eq!(status, 400, "{bad}: {v}");
+        assert_eq!(v["error"]["param"], "logit_bias", "{v}");
+    }
     server.stop();
 }

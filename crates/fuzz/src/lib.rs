@@ -34,7 +34,7 @@ pub fn audio(data: &[u8]) {
 pub fn chat_request(data: &[u8]) {
     let Ok(req) = serde_json::from_slice::<ChatRequest>(data) else { return };
     let _ = mmserve_api::prompt::parse_messages(&req.messages);
-    let _ = mmserve_api::generate::sampling(&req, 10, 4096);
+    let _ = mmserve_api::generate::sampling(&req, 10, 4096, 32_000);
 }
 
 /// Media URLs as a part carries them: `data:` URLs and base64 payloads, and the whole of

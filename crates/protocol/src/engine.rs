@@ -36,6 +36,9 @@ pub struct SamplingParams {
     /// `Some(k)`: report the sampled token's log-probability and the `k` most likely.
     pub logprobs: Option<u8>,
     pub skip_special_tokens: bool,
+    /// OpenAI's `logit_bias`: added to these tokens' logits before sampling.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -56,6 +59,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             logprobs: None,
             skip_special_tokens: true,
+            logit_bias: Vec::new(),
         }
     }
 }

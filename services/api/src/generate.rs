@@ -101,7 +101,12 @@ const MAX_N: u32 = 16;
 const MAX_STOPS: usize = 16;
 
 /// The request's sampling fields, checked: the parameters and the number of choices.
-pub fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Result<(SamplingParams, usize), ApiError> {
+pub fn sampling(
+    req: &ChatRequest,
+    prompt_len: u64,
+    max_model_len: u64,
+    vocab: u64,
+) -> Result<(SamplingParams, usize), ApiError> {
     let n = req.n.unwrap_or(1);
     if !(1..=MAX_N).contains(&n) {
         return Err(ApiError::bad_param("n", format!("n must be between 1 and {MAX_N}")));
@@ -172,6 +177,19 @@ pub fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Resul
     if u64::from(min_tokens) > max_tokens {
         return Err(ApiError::bad_param("min_tokens", "min_tokens must not exceed max_tokens"));
     }
+    let mut logit_bias = Vec::new();
+    for (token, &bias) in req.logit_bias.iter().flatten() {
+        let bad = |why: &str| ApiError::bad_param("logit_bias", format!("logit_bias[{token:?}]: {why}"));
+        let id: u32 = token.trim().parse().map_err(|_| bad("keys are token ids"))?;
+        if u64::from(id) >= vocab {
+            return Err(bad(&format!("this model's token ids are below {vocab}")));
+        }
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(bad("biases are between -100 and 100"));
+        }
+        logit_bias.push((id, bias as f32));
+    }
+    logit_bias.sort_by_key(|&(id, _)| id);
     let params = SamplingParams {
         max_tokens: max_tokens as u32,
         min_tokens,
@@ -183,6 +201,7 @@ pub fn sampling(req: &ChatRequest, prompt_len: u64, max_model_len: u64) -> Resul
         presence_penalty,
         frequency_penalty,
         seed: req.seed,
+        logit_bias,
         ignore_eos: req.ignore_eos,
         stop_token_ids: req.stop_token_ids.clone(),
         stop,
@@ -240,7 +259,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
         |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
     let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens + audio_tokens;
-    let (params, n) = sampling(req, prompt_len, state.max_model_len)?;
+    let (params, n) = sampling(req, prompt_len, state.max_model_len, state.vocab)?;
     queued.add_prompt_tokens(prompt_len)?;
 
     let request_id = state.new_request_id();

@@ -293,7 +293,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         },
         info.max_model_len,
         (cache, encoder, engine),
-        mrope,
+        (mrope, dir.config.vocab_size() as u64),
         arena,
         load,
         Timeouts {

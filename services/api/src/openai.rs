@@ -53,6 +53,9 @@ pub struct ChatRequest {
     /// Adds `token_ids` to each choice (and `prompt_token_ids` to the response).
     #[serde(default)]
     pub return_token_ids: bool,
+    /// Token id (as a string, OpenAI's form) → a bias from -100 to 100 added to its logit.
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     /// Every other field: refused when it is one mmserve does not implement
     /// ([`UNSUPPORTED`]), else logged and ignored, as vLLM does.
     #[serde(flatten)]
@@ -62,7 +65,6 @@ pub struct ChatRequest {
 /// Fields of OpenAI's chat completion request that mmserve does not implement: a request
 /// with one is refused (400, naming it) rather than answered as if it were honoured.
 pub const UNSUPPORTED: &[&str] = &[
-    "logit_bias",
     "response_format",
     "tools",
     "tool_choice",

@@ -22,6 +22,8 @@ pub struct AppState {
     pub item_token: u32,
     /// The model takes M-RoPE positions (Qwen-VL): the api computes them per prompt.
     pub mrope: bool,
+    /// Rows of the model's logits (token ids `logit_bias` may name).
+    pub vocab: u64,
     /// Everything besides the bytes that changes an item's embedding.
     pub fingerprint: String,
     pub limits: MediaLimits,
@@ -86,7 +88,7 @@ impl AppState {
         limits: MediaLimits,
         max_model_len: u64,
         clients: (CacheConnection, EncoderClient, EngineClient),
-        mrope: bool,
+        (mrope, vocab): (bool, u64),
         arena: ArenaMap,
         load: Arc<LoadGate>,
         timeouts: Timeouts,
@@ -98,6 +100,7 @@ impl AppState {
             template,
             item_token,
             mrope,
+            vocab,
             fingerprint,
             limits,
             max_model_len,

@@ -87,6 +87,7 @@ pub fn device_samples(params: &SamplingParams, history: &History) -> bool {
 /// The model's logits alone decide: nothing to adjust or report on the host.
 fn logits_suffice(params: &SamplingParams, history: &History) -> bool {
     params.logprobs.is_none()
+        && params.logit_bias.is_empty()
         && params.repetition_penalty == 1.0
         && params.presence_penalty == 0.0
         && params.frequency_penalty == 0.0
@@ -102,8 +103,13 @@ fn settings(params: &SamplingParams, u: f64) -> SampleSettings {
     SampleSettings { temperature: params.temperature, top_k: params.top_k, min_p: params.min_p, top_p: params.top_p, u }
 }
 
-/// Applies penalties and `min_tokens` to `logits` in place.
+/// Applies `logit_bias`, penalties and `min_tokens` to `logits` in place.
 pub fn adjust(logits: &mut [f32], params: &SamplingParams, history: &History, stop_ids: &[u32]) {
+    for &(token, bias) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(token as usize) {
+            *l += bias;
+        }
+    }
     let p = params.repetition_penalty;
     if p != 1.0 && p > 0.0 {
         let seen = history.prompt.iter().chain(history.counts.keys());
@@ -363,6 +369,21 @@ mod tests {
         let mut l = vec![0.0, 0.0, 9.0, 0.5];
         adjust(&mut l, &params(|p| p.min_tokens = 3), &h, &[2]);
         assert_eq!(argmax(&l), 3, "the stop token is banned until min_tokens");
+    }
+
+    #[test]
+    fn logit_bias_is_added_and_keeps_the_row_on_the_host() {
+        let greedy = params(|p| {
+            p.temperature = 0.0;
+            p.logit_bias = vec![(2, 5.0), (0, -100.0), (9, 1.0)];
+        });
+        let h = History::default();
+        assert!(!argmax_decides(&greedy, &h), "the device's argmax would miss the bias");
+        assert!(!device_samples(&params(|p| p.logit_bias = vec![(1, 1.0)]), &h));
+        let mut l = vec![1.0, 2.0, 0.0];
+        adjust(&mut l, &greedy, &h, &[]);
+        assert_eq!(l, vec![-99.0, 2.0, 5.0], "ids past the row are ignored");
+        assert_eq!(argmax(&l), 2);
     }
 
     #[test]
