@@ -32,7 +32,7 @@ const WIRING: &[&str] =
     &["socket", "cache_socket", "encoder_socket", "engine_socket", "shm_prefix", "embed_dim", "embed_dtype", "model"];
 
 /// Never written to a file or printed; `serve` hands it on in the environment.
-const SECRETS: &[&str] = &["admin_token"];
+const SECRETS: &[&str] = &["admin_token", "api_key"];
 
 /// Arguments that are not settings at all.
 const NOT_SETTINGS: &[&str] = &["help", "version", "config", "print_config"];

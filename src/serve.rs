@@ -138,13 +138,15 @@ pub async fn run(args: ServeArgs, settings: Settings) -> anyhow::Result<()> {
         return Ok(());
     }
     let admin_token = settings.matches.get_one::<String>("admin_token").cloned();
+    let api_keys: Vec<String> =
+        settings.matches.get_many::<String>("api_key").map(|k| k.cloned().collect()).unwrap_or_default();
     let dir = ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
     let paths = RunPaths::new()?;
     let config_file = paths.dir.join("config.toml");
     std::fs::write(&config_file, &resolved).with_context(|| format!("writing {}", config_file.display()))?;
     let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, std::io::Result<ExitStatus>)>(8);
     let mut running: Vec<Running> = Vec::new();
-    let run = Run { args: &args, dir: &dir, paths: &paths, config_file: &config_file, admin_token };
+    let run = Run { args: &args, dir: &dir, paths: &paths, config_file: &config_file, admin_token, api_keys };
     let started = run.start_all(&exit_tx, &mut running).await;
     let mut exited: Vec<&'static str> = Vec::new();
     let outcome = match started {
@@ -186,6 +188,8 @@ struct Run<'a> {
     paths: &'a RunPaths,
     config_file: &'a Path,
     admin_token: Option<String>,
+    /// `--api-key`s, handed to the api in its environment (never in a file or argv).
+    api_keys: Vec<String>,
 }
 
 impl Run<'_> {
@@ -248,7 +252,9 @@ impl Run<'_> {
             ("encoder-socket", encoder_socket),
             ("engine-socket", engine_socket),
         ]);
-        let (url, api) = start_one("api", api_args, &[], timeout, exit_tx).await?;
+        let env: Vec<(&str, String)> =
+            (!self.api_keys.is_empty()).then(|| ("MMSERVE_API_KEY", self.api_keys.join(","))).into_iter().collect();
+        let (url, api) = start_one("api", api_args, &env, timeout, exit_tx).await?;
         running.push(api);
         Ok(url)
     }

@@ -428,3 +428,19 @@ async fn ctrl_c_stops_cleanly_and_says_how_to_resume() {
     assert_eq!(by_id(&records(&out)).len(), 40);
     server.stop();
 }
+
+#[tokio::test]
+async fn the_client_sends_its_api_key() {
+    let dir = temp_dir("caption-key");
+    std::fs::write(dir.join("a.png"), picture(3, 30, image::ImageFormat::Png)).unwrap();
+    let server = Server::start(&["--api-key", "k-caption"]);
+    let out = dir.join("out.jsonl");
+    let (path, outp) = (dir.join("a.png").display().to_string(), out.display().to_string());
+    let refused = caption(&["--url", &base_url(&server), &path, "--out", &outp, "--served-model", "llava-tiny"]);
+    assert!(!refused.status.success());
+    assert!(records(&out)[0]["error"].as_str().unwrap().contains("401"));
+    let ok = caption(&["--url", &base_url(&server), &path, "--out", &outp, "--api-key", "k-caption", "--retry-failed"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(by_id(&records(&out)).values().all(|r| r["caption"].is_string()));
+    server.stop();
+}

@@ -77,6 +77,11 @@ token_timeout_s = 7
     assert_eq!(s("serve", "ready_timeout_s"), "60");
     assert_eq!(s("engine", "chunked_prefill_size"), "512");
 
+    // Secrets are never printed (nor written into the run's file).
+    let secret = mmserve(&["serve", "--print-config", "--api-key", "sk-very-secret"], &[]);
+    assert!(secret.status.success());
+    assert!(!String::from_utf8_lossy(&secret.stdout).contains("sk-very-secret"));
+
     // What is printed is a configuration: read back, it resolves to itself.
     let again_file = dir.join("printed.toml");
     std::fs::write(&again_file, &printed).unwrap();

@@ -406,3 +406,33 @@ async fn logit_bias_moves_the_choice_and_bad_biases_are_refused() {
     }
     server.stop();
 }
+
+/// `--api-key`: `/v1/*` needs one of the keys as a bearer token (401 in OpenAI's shape
+/// otherwise); `/health` stays open.
+#[tokio::test]
+async fn api_keys_guard_the_v1_routes() {
+    let server = Server::start(&["--api-key", "k1,second-key"]);
+    let url = format!("{}/v1/chat/completions", server.url);
+    let body = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let send = |key: Option<&str>| {
+        let mut r = server.http.post(&url).json(&body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    for key in [None, Some("k2"), Some("k1x"), Some("")] {
+        let r = send(key).await.unwrap();
+        assert_eq!(r.status(), 401, "{key:?}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+    }
+    for key in ["k1", "second-key"] {
+        assert_eq!(send(Some(key)).await.unwrap().status(), 200, "{key}");
+    }
+    let models = server.http.get(format!("{}/v1/models", server.url)).send().await.unwrap();
+    assert_eq!(models.status(), 401);
+    let health = server.http.get(format!("{}/health", server.url)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    server.stop();
+}

@@ -64,6 +64,9 @@ pub struct CaptionArgs {
     /// embedded one.
     #[arg(long, env = "MMSERVE_CAPTION_URL")]
     pub url: Option<String>,
+    /// Sent as `Authorization: Bearer <key>` (an embedded server asks for it too).
+    #[arg(long, env = "MMSERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// The `model` of the requests (default: the server's first in `/v1/models`).
     #[arg(long, env = "MMSERVE_CAPTION_SERVED_MODEL")]
     pub served_model: Option<String>,
@@ -106,7 +109,16 @@ pub async fn run(args: CaptionArgs) -> anyhow::Result<()> {
     if args.batch_file.is_none() && args.paths.is_empty() && args.input_list.is_none() && args.input_jsonl.is_none() {
         bail!("nothing to caption: give paths, --input-list, --input-jsonl or --batch-file");
     }
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(args.request_timeout_s.max(1))).build()?;
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(key) = &args.api_key {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")).context("--api-key")?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(args.request_timeout_s.max(1)))
+        .default_headers(headers)
+        .build()?;
     let (server, base) = match &args.url {
         Some(url) => (None, url.trim_end_matches('/').trim_end_matches("/v1").to_string()),
         None => {

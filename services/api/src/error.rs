@@ -14,6 +14,9 @@ pub enum ApiError {
     PayloadTooLarge(String),
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
+    /// No API key, or not one of `--api-key`'s.
+    #[error("{0}")]
+    Unauthorized(String),
     /// Overloaded: shed before any work, with the seconds after which to retry.
     #[error("{message}")]
     Overloaded { message: String, retry_after_s: u64 },
@@ -42,6 +45,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -57,6 +61,7 @@ impl ApiError {
             ApiError::BadRequest { .. } => ("invalid_request_error", None),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large")),
             ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key")),
             ApiError::RouteNotFound { .. } => ("invalid_request_error", Some("unknown_url")),
             ApiError::MethodNotAllowed { .. } => ("invalid_request_error", Some("method_not_allowed")),
             ApiError::Overloaded { .. } => ("rate_limit_error", Some("server_overloaded")),

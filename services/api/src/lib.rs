@@ -3,6 +3,7 @@
 //! Only this crate knows OpenAI JSON ([`openai`]); every error becomes an HTTP
 //! response in one place ([`error`]). A request's path is in [`generate`].
 
+pub mod auth;
 pub mod cpu;
 pub mod dispatch;
 pub mod error;
@@ -61,6 +62,10 @@ pub struct ApiArgs {
     pub prompt: PromptArgs,
     #[command(flatten)]
     pub timeouts: TimeoutArgs,
+    /// Keys a client must send as `Authorization: Bearer <key>` on `/v1/*` (several:
+    /// comma-separated); `/health` and `/metrics` stay open. Without one, no key is asked.
+    #[arg(long, env = "MMSERVE_API_KEY", value_delimiter = ',', hide_env_values = true)]
+    pub api_key: Vec<String>,
 }
 
 /// Every wait of the api process, in seconds.
@@ -327,7 +332,11 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
         .map_err(|source| ApiServiceError::Listen { addr: addr.clone(), source })?;
     let local: SocketAddr = listener.local_addr().map_err(|source| ApiServiceError::Listen { addr, source })?;
     mmserve_protocol::ready::announce_with("api", &format!("http://{local}"));
-    let app = routes::router(state, args.media.max_body_bytes.0.min(usize::MAX as u64) as usize);
+    let app = routes::router(
+        state,
+        args.media.max_body_bytes.0.min(usize::MAX as u64) as usize,
+        auth::ApiKeys::new(&args.api_key),
+    );
     let limits = http::HttpLimits {
         max_connections: args.load.max_connections,
         header_read_timeout: secs(args.load.header_read_timeout_s),

@@ -22,11 +22,14 @@ use crate::generate::{Started, start};
 use crate::openai::*;
 use crate::state::{AppState, Metrics};
 
-pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+pub fn router(state: Arc<AppState>, max_body_bytes: usize, keys: crate::auth::ApiKeys) -> Router {
     let chat = move |State(state): State<Arc<AppState>>, body: Body| chat(state, body, max_body_bytes);
-    Router::new()
+    let v1 = Router::new()
         .route("/v1/chat/completions", post(chat).fallback(method_not_allowed))
         .route("/v1/models", get(models).fallback(method_not_allowed))
+        .route_layer(axum::middleware::from_fn_with_state(keys, crate::auth::require_key));
+    Router::new()
+        .merge(v1)
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/metrics", get(metrics).fallback(method_not_allowed))
         .fallback(not_found)
