@@ -6,13 +6,13 @@
 //! `custom_id` if it has one, else `line N`). The output is the journal: resumed by
 //! `custom_id`.
 
-use anyhow::{Context, bail};
-use futures::StreamExt;
+use anyhow::Context;
 use serde_json::{Value, json};
 
+use super::drive::{drive, outcome};
 use super::journal::{Done, Journal};
 use super::progress::Progress;
-use super::{CaptionArgs, served_model, stream_of};
+use super::{CaptionArgs, served_model};
 
 /// A parsed input line: (custom_id, body), or the line's id and what is wrong.
 pub fn parse_line(line: &str, n: usize) -> Result<(String, Value), (String, String)> {
@@ -67,10 +67,8 @@ pub async fn run(args: &CaptionArgs, file: &std::path::Path, http: reqwest::Clie
     let mut journal = Journal::open(&args.out, &key)?;
     let done = std::mem::take(&mut journal.done);
     let model = served_model(&http, base, args.served_model.as_deref()).await?;
-    let concurrency = args.concurrency.max(1);
-    let (tx, rx) = tokio::sync::mpsc::channel::<(u64, String)>(concurrency);
     let path = file.to_path_buf();
-    let lister = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+    let list = move |tx: tokio::sync::mpsc::Sender<(u64, String)>| -> anyhow::Result<()> {
         use std::io::BufRead;
         let f = std::fs::File::open(&path).with_context(|| format!("--batch-file {}", path.display()))?;
         for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
@@ -80,87 +78,49 @@ pub async fn run(args: &CaptionArgs, file: &std::path::Path, http: reqwest::Clie
             }
         }
         Ok(())
-    });
-    let mut progress = Progress::new(args.quiet);
-    let seen = progress.seen();
-    let (http2, base2) = (http.clone(), base.to_string());
+    };
     let retry = args.retry_failed;
-    let mut results = Box::pin(
-        stream_of(rx)
-            .inspect(|_| {
-                seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            })
-            .map(|(n, line)| {
-                let (http, base, model) = (http2.clone(), base2.clone(), model.clone());
-                let done = &done;
-                async move {
-                    let (id, mut body) = match parse_line(&line, n as usize) {
-                        Ok(x) => x,
-                        Err((id, _)) if done.contains_key(&id) && !retry => return None,
-                        Err((id, why)) => return Some(error_line(n, &id, "invalid_request", &why)),
-                    };
-                    if done.get(&id).is_some_and(|d| d.ok || !retry) {
-                        return None;
-                    }
-                    if body.get("model").is_none() {
-                        body["model"] = json!(model);
-                    }
-                    let answer = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await;
-                    Some(match answer {
-                        Ok(resp) => {
-                            let status = resp.status().as_u16();
-                            match resp.json::<Value>().await {
-                                Ok(v) => response_line(n, &id, status, v),
-                                Err(e) => error_line(n, &id, "bad_response", &e.to_string()),
-                            }
-                        }
-                        Err(e) => error_line(n, &id, "request_failed", &e.to_string()),
-                    })
-                }
-            })
-            .buffer_unordered(concurrency),
-    );
-    let mut interrupted = false;
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
-    loop {
-        tokio::select! {
-            next = results.next() => {
-                let Some(line) = next else { break };
-                match line {
-                    None => progress.counts.skipped += 1,
-                    Some(line) => {
-                        journal.append(&line)?;
-                        if key(&line).is_some_and(|(_, d)| d.ok) {
-                            progress.counts.done += 1;
-                            progress.counts.output_tokens +=
-                                line["response"]["body"]["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                        } else {
-                            progress.counts.failed += 1;
-                        }
+    let work = |(n, line): (u64, String)| {
+        let (http, base, model, done) = (http.clone(), base.to_string(), model.clone(), &done);
+        async move {
+            let (id, mut body) = match parse_line(&line, n as usize) {
+                Ok(x) => x,
+                Err((id, _)) if done.contains_key(&id) && !retry => return None,
+                Err((id, why)) => return Some(error_line(n, &id, "invalid_request", &why)),
+            };
+            if done.get(&id).is_some_and(|d| d.ok || !retry) {
+                return None;
+            }
+            if body.get("model").is_none() {
+                body["model"] = json!(model);
+            }
+            Some(match http.post(format!("{base}/v1/chat/completions")).json(&body).send().await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    match resp.json::<Value>().await {
+                        Ok(v) => response_line(n, &id, status, v),
+                        Err(e) => error_line(n, &id, "bad_response", &e.to_string()),
                     }
                 }
-                progress.finished();
-            }
-            _ = &mut ctrl_c => {
-                interrupted = true;
-                break;
-            }
+                Err(e) => error_line(n, &id, "request_failed", &e.to_string()),
+            })
         }
-    }
-    drop(results);
-    lister.await.context("reading the batch file")??;
+    };
+    let mut progress = Progress::new(args.quiet);
+    let interrupted = drive(args.concurrency, list, work, &mut journal, &mut progress, |line, progress| {
+        let c = &mut progress.counts;
+        if key(line).is_some_and(|(_, d)| d.ok) {
+            c.done += 1;
+            c.output_tokens += line["response"]["body"]["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        } else {
+            c.failed += 1;
+        }
+        Ok(())
+    })
+    .await?;
     journal.compact(&key)?;
     progress.summary(None);
-    if interrupted {
-        bail!("interrupted: the output is valid; run the same command again to resume");
-    }
-    if progress.counts.failed > 0 {
-        bail!(
-            "{} requests failed (see their \"error\" or status); --retry-failed does them again",
-            progress.counts.failed
-        );
-    }
-    Ok(())
+    outcome(&progress, interrupted, "requests")
 }
 
 #[cfg(test)]

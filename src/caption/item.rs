@@ -3,7 +3,6 @@
 //! answer (or the error) as the journal's record.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Mutex;
 
 use serde_json::{Value, json};
@@ -11,14 +10,6 @@ use serde_json::{Value, json};
 use super::inputs::{self, Item, Kind, Next, Source};
 use super::journal::Done;
 use super::request::{self, Answer, Settings};
-
-/// What one item came to.
-pub enum Outcome {
-    /// A record for the journal.
-    Record(Value),
-    /// Done by an earlier run.
-    Skipped,
-}
 
 /// What every item's task shares.
 pub struct Shared {
@@ -48,24 +39,17 @@ fn record(item: &Item, fields: Value) -> Value {
     r
 }
 
-fn failure(item: &Item, digest: Option<&str>, settings: Option<&str>, error: impl std::fmt::Display) -> Outcome {
-    Outcome::Record(record(
-        item,
-        json!({"digest": digest, "settings": settings, "caption": null, "error": error.to_string()}),
-    ))
+fn failure(item: &Item, digest: Option<&str>, settings: Option<&str>, error: impl std::fmt::Display) -> Option<Value> {
+    Some(record(item, json!({"digest": digest, "settings": settings, "caption": null, "error": error.to_string()})))
 }
 
-pub async fn process(s: &Shared, next: Next) -> Outcome {
+/// The journal line of one input, or `None` when an earlier run did it.
+pub async fn process(s: &Shared, next: Next) -> Option<Value> {
     let item = match next {
         Ok(item) => item,
-        Err(bad) => {
-            if s.done.contains_key(&bad.id) && !s.retry_failed {
-                return Outcome::Skipped;
-            }
-            let item =
-                Item { id: bad.id, source: Source::File(PathBuf::new()), prompt: None, root: None, walked: false };
-            return failure(&item, None, None, bad.error);
-        }
+        // An input that is not one (a glob that matches nothing, a bad jsonl line).
+        Err(bad) if s.done.contains_key(&bad.id) && !s.retry_failed => return None,
+        Err(bad) => return Some(json!({"id": bad.id, "caption": null, "error": bad.error})),
     };
     // An item that could not even be read last time stays failed unless retried.
     if let Some(d) = s.done.get(&item.id)
@@ -73,7 +57,7 @@ pub async fn process(s: &Shared, next: Next) -> Outcome {
         && !d.ok
         && !s.retry_failed
     {
-        return Outcome::Skipped;
+        return None;
     }
     let bytes = match &item.source {
         Source::File(p) => request::read_file(p, s.max_bytes).await,
@@ -91,14 +75,11 @@ pub async fn process(s: &Shared, next: Next) -> Outcome {
         };
         if item.walked && !named_media {
             if s.done.get(&item.id).is_some_and(|d| d.ok && d.digest == digest) {
-                return Outcome::Skipped;
+                return None;
             }
             // A file beside the media of a folder: noted, not a failure.
             let note = "not an image or audio file (by its content)";
-            return Outcome::Record(record(
-                &item,
-                json!({"digest": digest, "caption": null, "not_media": note, "error": null}),
-            ));
+            return Some(record(&item, json!({"digest": digest, "caption": null, "not_media": note, "error": null})));
         }
         return failure(&item, Some(&digest), None, "not an image or audio file (by its content)");
     };
@@ -114,7 +95,7 @@ pub async fn process(s: &Shared, next: Next) -> Outcome {
         && d.settings == key
         && (d.ok || !s.retry_failed)
     {
-        return Outcome::Skipped;
+        return None;
     }
     let cached = s.settings.deterministic().then(|| lock(&s.answers).get(&(digest.clone(), key.clone())).cloned());
     let answer = match cached.flatten() {
@@ -136,7 +117,7 @@ pub async fn process(s: &Shared, next: Next) -> Outcome {
         Kind::Audio(_) => "audio",
     };
     match answer {
-        Ok(a) => Outcome::Record(record(
+        Ok(a) => Some(record(
             &item,
             json!({
                 "kind": kind_name, "digest": digest, "settings": key, "caption": a.caption,

@@ -89,7 +89,7 @@ impl Journal {
     }
 
     /// The records of the file, the last per id, in file order of those last records.
-    pub fn records(&self, key: &dyn Fn(&Value) -> Option<(String, Done)>) -> anyhow::Result<Vec<Value>> {
+    fn records(&self, key: &dyn Fn(&Value) -> Option<(String, Done)>) -> anyhow::Result<Vec<Value>> {
         let text = std::fs::read_to_string(&self.path).with_context(|| format!("reading {}", self.path.display()))?;
         let mut last: HashMap<String, usize> = HashMap::new();
         let mut values = Vec::new();
@@ -105,12 +105,12 @@ impl Journal {
     }
 
     /// Rewrites the file with one record per item, if it holds more (atomically: a
-    /// sibling file, synced, renamed over it).
-    pub fn compact(&mut self, key: &dyn Fn(&Value) -> Option<(String, Done)>) -> anyhow::Result<()> {
+    /// sibling file, synced, renamed over it); returns those records.
+    pub fn compact(&mut self, key: &dyn Fn(&Value) -> Option<(String, Done)>) -> anyhow::Result<Vec<Value>> {
         self.sync()?;
         let records = self.records(key)?;
         if records.len() == self.lines {
-            return Ok(());
+            return Ok(records);
         }
         let mut text = String::new();
         for r in &records {
@@ -120,7 +120,7 @@ impl Journal {
         write_atomically(&self.path, text.as_bytes())?;
         self.file = OpenOptions::new().read(true).append(true).open(&self.path)?;
         self.lines = records.len();
-        Ok(())
+        Ok(records)
     }
 }
 

@@ -11,6 +11,7 @@
 //! the run goes on; the exit status says whether any item failed.
 
 mod batch;
+mod drive;
 mod inputs;
 mod item;
 mod journal;
@@ -24,12 +25,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use futures::StreamExt;
 use mmserve_arena::ByteSize;
 use serde_json::Value;
 
+use self::drive::{drive, outcome};
 use self::inputs::Next;
-use self::item::{Outcome, Shared, process};
+use self::item::{Shared, process};
 use self::journal::Journal;
 use self::outputs::Format;
 use self::progress::Progress;
@@ -165,11 +166,6 @@ fn journal_path(args: &CaptionArgs) -> PathBuf {
     }
 }
 
-/// Lines of `rx`, as a stream.
-pub(crate) fn stream_of<T: Send + 'static>(rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
-}
-
 async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> anyhow::Result<()> {
     let mut journal = Journal::open(&journal_path(args), &outputs::key)?;
     let settings = Settings {
@@ -191,68 +187,33 @@ async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> any
         max_bytes: args.max_item_bytes.0,
         answers: Mutex::new(HashMap::new()),
     });
-    let concurrency = args.concurrency.max(1);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Next>(concurrency);
     let (paths, list, jsonl) = (args.paths.clone(), args.input_list.clone(), args.input_jsonl.clone());
-    let lister = tokio::task::spawn_blocking(move || inputs::produce(&paths, list.as_deref(), jsonl.as_deref(), &tx));
+    let list =
+        move |tx: tokio::sync::mpsc::Sender<Next>| inputs::produce(&paths, list.as_deref(), jsonl.as_deref(), &tx);
+    let work = |next| {
+        let s = shared.clone();
+        async move { process(&s, next).await }
+    };
     let mut progress = Progress::new(args.quiet);
-    let seen = progress.seen();
-    let mut results = Box::pin(
-        stream_of(rx)
-            .inspect(|_| {
-                seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            })
-            .map(|next| {
-                let s = shared.clone();
-                async move { process(&s, next).await }
-            })
-            .buffer_unordered(concurrency),
-    );
-    let mut interrupted = false;
-    let mut lister = std::pin::pin!(lister);
-    let mut listing = true;
-    // One listener for the whole run, so that no Ctrl-C falls between two waits.
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
-    loop {
-        tokio::select! {
-            r = &mut lister, if listing => {
-                listing = false;
-                progress.listed();
-                r.context("listing the inputs")??;
+    let sidecars = args.format == Format::Sidecar;
+    let interrupted = drive(args.concurrency, list, work, &mut journal, &mut progress, |record, progress| {
+        let c = &mut progress.counts;
+        if !record["not_media"].is_null() {
+            c.not_media += 1;
+        } else if record["error"].is_null() {
+            c.done += 1;
+            c.audio_seconds += record["audio_seconds"].as_f64().unwrap_or(0.0);
+            c.output_tokens += record["completion_tokens"].as_u64().unwrap_or(0);
+            if sidecars && let (Some(path), Some(caption)) = (record["path"].as_str(), record["caption"].as_str()) {
+                outputs::write_sidecar(std::path::Path::new(path), caption)?;
             }
-            next = results.next() => {
-                let Some(outcome) = next else { break };
-                match outcome {
-                    Outcome::Skipped => progress.counts.skipped += 1,
-                    Outcome::Record(record) => {
-                        journal.append(&record)?;
-                        if !record["not_media"].is_null() {
-                            progress.counts.not_media += 1;
-                        } else if record["error"].is_null() {
-                            progress.counts.done += 1;
-                            progress.counts.audio_seconds += record["audio_seconds"].as_f64().unwrap_or(0.0);
-                            progress.counts.output_tokens += record["completion_tokens"].as_u64().unwrap_or(0);
-                            if args.format == Format::Sidecar
-                                && let (Some(path), Some(caption)) = (record["path"].as_str(), record["caption"].as_str())
-                            {
-                                outputs::write_sidecar(std::path::Path::new(path), caption)?;
-                            }
-                        } else {
-                            progress.counts.failed += 1;
-                        }
-                    }
-                }
-                progress.finished();
-            }
-            _ = &mut ctrl_c => {
-                interrupted = true;
-                break;
-            }
+        } else {
+            c.failed += 1;
         }
-    }
-    drop(results);
-    journal.compact(&outputs::key)?;
-    let records = journal.records(&outputs::key)?;
+        Ok(())
+    })
+    .await?;
+    let records = journal.compact(&outputs::key)?;
     match args.format {
         Format::Csv => journal::write_atomically(&args.out, outputs::csv(&records).as_bytes())?,
         Format::Metadata => {
@@ -265,12 +226,5 @@ async fn run_items(args: &CaptionArgs, http: reqwest::Client, base: &str) -> any
         _ => None,
     };
     progress.summary(hits);
-    if interrupted {
-        bail!("interrupted: the output is valid; run the same command again to resume");
-    }
-    let failed = progress.counts.failed;
-    if failed > 0 {
-        bail!("{failed} items failed (see their \"error\"); --retry-failed does them again");
-    }
-    Ok(())
+    outcome(&progress, interrupted, "items")
 }
