@@ -266,10 +266,12 @@ fn typed(arg: &Arg, raw: &str) -> toml::Value {
     if let Ok(n) = raw.parse::<i64>() {
         return toml::Value::Integer(n);
     }
-    if raw.contains(['.', 'e']) && raw.parse::<f64>().is_ok_and(f64::is_finite) && !raw.contains(char::is_alphabetic) {
-        return toml::Value::Float(raw.parse().unwrap_or_default());
+    // Only plain decimal spellings: "inf", "nan" and the like stay strings.
+    let decimal = raw.chars().all(|c| c.is_ascii_digit() || "+-.eE".contains(c));
+    match raw.parse::<f64>() {
+        Ok(x) if decimal => toml::Value::Float(x),
+        _ => toml::Value::String(raw.to_string()),
     }
-    toml::Value::String(raw.to_string())
 }
 
 impl ChildSection {

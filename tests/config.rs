@@ -57,7 +57,7 @@ token_timeout_s = 7
     .unwrap();
     let out = mmserve(
         &["serve", "--config", file.to_str().unwrap(), "--print-config", "--block-size", "64"],
-        &[("MMSERVE_TOKEN_TIMEOUT_S", "9"), ("MMSERVE_MAX_ITEM_BYTES", "1M")],
+        &[("MMSERVE_TOKEN_TIMEOUT_S", "9"), ("MMSERVE_MAX_ITEM_BYTES", "1M"), ("MMSERVE_MAX_AUDIO_SECONDS", "1.5e-1")],
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let printed = String::from_utf8(out.stdout).unwrap();
@@ -76,6 +76,8 @@ token_timeout_s = 7
     assert_eq!(s("api", "rpc_timeout_s"), "10", "defaults are printed too");
     assert_eq!(s("serve", "ready_timeout_s"), "60");
     assert_eq!(s("engine", "chunked_prefill_size"), "512");
+    assert_eq!(s("embed-cache", "embed_cache_request_share"), "0.5", "fractions stay numbers");
+    assert_eq!(s("api", "max_audio_seconds"), "0.15", "so do exponents");
 
     // Secrets are never printed (nor written into the run's file).
     let secret = mmserve(&["serve", "--print-config", "--api-key", "sk-very-secret"], &[]);
