@@ -261,19 +261,22 @@ fn the_embedded_server_transcribes_a_folder_of_clips_into_sidecars_and_csv() {
         std::fs::copy(data.join(name), clips.join(name)).unwrap();
     }
     let model = repo().join("assets/models/qwen2-audio-tiny");
+    let transcribe = |format: &str, out: &Path| {
+        let run = caption(&[
+            clips.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "What is this sound?",
+            "--format",
+            format,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    };
     let out = dir.join("clips.jsonl");
-    let run = caption(&[
-        clips.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "What is this sound?",
-        "--format",
-        "sidecar",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    transcribe("sidecar", &out);
     let recs = records(&out);
     assert_eq!(recs.len(), 3);
     for r in &recs {
@@ -283,18 +286,7 @@ fn the_embedded_server_transcribes_a_folder_of_clips_into_sidecars_and_csv() {
     }
     // A second run in another format: the sidecars are not taken as inputs.
     let csv = dir.join("clips.csv");
-    let run = caption(&[
-        clips.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "What is this sound?",
-        "--format",
-        "csv",
-        "--out",
-        csv.to_str().unwrap(),
-    ]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    transcribe("csv", &csv);
     let text = std::fs::read_to_string(&csv).unwrap();
     let rows: Vec<&str> = text.split("\r\n").filter(|l| !l.is_empty()).collect();
     assert_eq!(rows[0], "id,digest,caption,prompt_tokens,completion_tokens,finish_reason,latency_ms,error");

@@ -6,21 +6,13 @@
 mod common;
 
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
+/// The fixture's question (common's `image_request`) addressed to `model`.
 fn request(model: &str, url: &str, stream: bool) -> Value {
-    json!({
-        "model": model,
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": "What is shown in this image?"}
-        ]}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": true,
-        "return_token_ids": true,
-        "stream": stream,
-    })
+    let mut body = image_request(url, stream);
+    body["model"] = model.into();
+    body
 }
 
 #[tokio::test]
