@@ -137,6 +137,9 @@ pub async fn run(args: ServeArgs, settings: Settings) -> anyhow::Result<()> {
         print!("{resolved}");
         return Ok(());
     }
+    // Listening for the signal from here on: one during start-up stops what has started
+    // (the child being started is killed on drop); one after the ready line stops all.
+    let mut shutdown = std::pin::pin!(mmserve_protocol::ready::shutdown_signal());
     let admin_token = settings.matches.get_one::<String>("admin_token").cloned();
     let api_keys: Vec<String> =
         settings.matches.get_many::<String>("api_key").map(|k| k.cloned().collect()).unwrap_or_default();
@@ -147,14 +150,21 @@ pub async fn run(args: ServeArgs, settings: Settings) -> anyhow::Result<()> {
     let (exit_tx, mut exit_rx) = mpsc::channel::<(&'static str, std::io::Result<ExitStatus>)>(8);
     let mut running: Vec<Running> = Vec::new();
     let run = Run { args: &args, dir: &dir, paths: &paths, config_file: &config_file, admin_token, api_keys };
-    let started = run.start_all(&exit_tx, &mut running).await;
+    let started = tokio::select! {
+        started = run.start_all(&exit_tx, &mut running) => Some(started),
+        _ = &mut shutdown => None,
+    };
     let mut exited: Vec<&'static str> = Vec::new();
     let outcome = match started {
-        Err(e) => Err(e),
-        Ok(url) => {
+        None => {
+            eprintln!("mmserve: shutting down");
+            Ok(())
+        }
+        Some(Err(e)) => Err(e),
+        Some(Ok(url)) => {
             println!("mmserve: serving {} at {url}", dir.name);
             tokio::select! {
-                _ = mmserve_protocol::ready::shutdown_signal() => {
+                _ = &mut shutdown => {
                     eprintln!("mmserve: shutting down");
                     Ok(())
                 }
@@ -272,6 +282,8 @@ async fn start_one(
     let exe = std::env::current_exe().context("locating the mmserve binary")?;
     let mut cmd = Command::new(exe);
     cmd.arg(name).args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // Until its waiter below owns it, a child whose start is abandoned is killed.
+    cmd.kill_on_drop(true);
     // A child's settings are its section of the run's file, whole: no variable of ours
     // (but the log filter) reaches it, and a token only from here.
     for (key, _) in std::env::vars_os() {

@@ -122,6 +122,39 @@ fn run_directories_of_dead_runs_are_swept_at_the_next_start() {
     server.stop();
 }
 
+/// SIGTERM while the children are still starting: serve stops the started ones and the
+/// one being started, exits 0, and leaves no process or segment behind.
+#[test]
+fn sigterm_during_start_up_stops_what_has_started() {
+    use std::io::BufRead;
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(llava_dir())
+        .env("MMSERVE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = serve.id();
+    let mut lines = std::io::BufReader::new(serve.stderr.take().unwrap()).lines();
+    // The cache is up; the encoder and the engine are loading (or just done).
+    lines.by_ref().map_while(Result::ok).find(|l| l.contains("embed-cache ready")).expect("the cache started");
+    let started = children(pid);
+    assert!(!started.is_empty());
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(serve.wait()));
+    let status = rx.recv_timeout(Duration::from_secs(60)).expect("serve did not stop").unwrap();
+    assert!(status.success(), "serve exited with {status}");
+    for child in started {
+        assert!(!cmdline(child).contains("mmserve"), "child {child} outlived serve: {}", cmdline(child));
+    }
+    let left = mmserve_shm::list_with_prefix(&format!("mmserve-{pid}-"));
+    assert!(left.is_empty(), "shared memory left: {left:?}");
+}
+
 #[test]
 fn a_config_dtype_the_arena_cannot_hold_is_refused_before_any_child_starts() {
     let dir = common::cache::temp_dir("bad-dtype");
