@@ -144,9 +144,7 @@ fn sigterm_during_start_up_stops_what_has_started() {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(serve.wait()));
-    let status = rx.recv_timeout(Duration::from_secs(60)).expect("serve did not stop").unwrap();
+    let status = common::exit_status(serve, Duration::from_secs(60), "serve did not stop");
     assert!(status.success(), "serve exited with {status}");
     for child in started {
         assert!(!cmdline(child).contains("mmserve"), "child {child} outlived serve: {}", cmdline(child));

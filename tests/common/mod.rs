@@ -125,18 +125,11 @@ impl Server {
 
     /// SIGTERM, then checks the exit status and that no shared memory of the run is left.
     pub fn stop(mut self) {
-        let mut child = self.child.take().unwrap();
+        let child = self.child.take().unwrap();
         let pid = child.id();
         // SAFETY: signalling our own child.
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "serve did not stop within 30 s of SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = exit_status(child, Duration::from_secs(30), "serve did not stop within 30 s of SIGTERM");
         assert!(status.success(), "serve exited with {status}");
         let left = mmserve_shm::list_with_prefix(&format!("mmserve-{pid}-"));
         assert!(left.is_empty(), "shared memory left after shutdown: {left:?}");
@@ -176,4 +169,11 @@ pub fn image_request(url: &str, stream: bool) -> Value {
         "return_token_ids": true,
         "stream": stream,
     })
+}
+
+/// `child`'s exit status, waited for on a thread at most `within` (then panics with `what`).
+pub fn exit_status(mut child: std::process::Child, within: Duration, what: &str) -> std::process::ExitStatus {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait()));
+    rx.recv_timeout(within).expect(what).expect("waiting for a child")
 }
