@@ -4,9 +4,11 @@
 // (m16n8k16, bf16 or f16 in, f32 accumulate); key and value tiles double-buffered in shared
 // memory by cp.async.
 //
-// Two ways to find keys and values (KV):
+// Three ways to find keys and values (KV):
 //   dense:  row j of batch b at k + b·kv_batch + j·kv_row + kv_head·HD (the encoder: q, k and
 //           v side by side in one GEMM's output [B·N, 3·D]);
+//   varlen: batch row b is rows starts[b]..starts[b + 1] of one packed sequence, queries,
+//           keys and outputs alike (Qwen-VL's towers: images of different sizes, windows);
 //   paged:  the pool [num_blocks, kv_heads, block_size, HD] through one sequence's block
 //           table (a prefill chunk: no gather of its blocks).
 // Queries: row i of batch b, head h at q + b·q_batch + i·q_row + h·HD; the output likewise
@@ -77,7 +79,7 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
                                 const T* __restrict__ v, long kv_batch, long kv_row,
                                 const unsigned* __restrict__ table, int block_size, int kv_heads,
                                 T* __restrict__ out, long o_batch, long o_row, int n_q, int n_k, int group, int past,
-                                float scale_log2) {
+                                float scale_log2, const int* __restrict__ starts) {
   constexpr int LD = HD + 8, BR = 16 * FA_WARPS * MT;
   constexpr bool QS = HD > 64 && MT > 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -89,13 +91,24 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
   const int tile_q = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z, kvh = h / group;
   const int q0 = tile_q * BR + warp * 16 * MT;  // this warp's first row; row tile mt starts at q0 + 16·mt
+  long q_off = b * q_batch, kv_off = b * kv_batch, o_off = b * o_batch;
+  if (starts != nullptr) {
+    // Variable length: batch row b is the rows starts[b]..starts[b + 1] of one packed
+    // sequence; the grid covers the longest, CTAs past a shorter one's end have nothing to do.
+    const int first = starts[b];
+    n_q = n_k = starts[b + 1] - first;
+    q_off = first * q_row;
+    kv_off = first * kv_row;
+    o_off = first * o_row;
+    if (tile_q * BR >= n_q) return;
+  }
 
   // The warp's query rows as A fragments, one per 16 dims: rows g and g + 8 of each tile.
   // With QS they stay in shared memory ([BR][LD], loaded with the first K/V tile) and are
   // read per use: at head dim 128 two row tiles' fragments would not fit in registers.
   T* qs = vs + 2 * FA_BC * LD;
   uint32_t qf[QS ? 1 : MT][QS ? 1 : HD / 16][4];
-  const T* qb = q + b * q_batch + (long)h * HD;
+  const T* qb = q + q_off + (long)h * HD;
   if (QS) {
     const int first = tile_q * BR;
     for (int c = threadIdx.x; c < BR * HD / 8; c += FA_WARPS * 32) {
@@ -137,7 +150,7 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
         if (PAGED)
           off = (((long)table[j / block_size] * kv_heads + kvh) * block_size + j % block_size) * HD + col;
         else
-          off = b * kv_batch + (long)j * kv_row + (long)kvh * HD + col;
+          off = kv_off + (long)j * kv_row + (long)kvh * HD + col;
       }
       cp_async16(ks + (buf * FA_BC + r) * LD + col, k + off, ok);
       cp_async16(vs + (buf * FA_BC + r) * LD + col, v + off, ok);
@@ -289,7 +302,7 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
   }
 
   // Normalise and write rows g and g + 8 of each row tile.
-  T* ob = out + b * o_batch + (long)h * HD;
+  T* ob = out + o_off + (long)h * HD;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -318,17 +331,32 @@ __device__ void flash_attention(const T* __restrict__ q, long q_batch, long q_ro
                                   long kv_row, T* out, long o_batch, long o_row, int n_q, int n_k, int group,    \
                                   int past, float scale_log2) {                                                  \
     flash_attention<T, HD, 2, false>(q, q_batch, q_row, k, v, kv_batch, kv_row, nullptr, 1, 1, out, o_batch,     \
-                                     o_row, n_q, n_k, group, past, scale_log2);                                  \
+                                     o_row, n_q, n_k, group, past, scale_log2, nullptr);                         \
   }                                                                                                               \
+  extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                     \
+      flash_varlen_##suffix##_##HD(const T* q, long q_row, const T* k, const T* v, long kv_row, T* out,          \
+                                   long o_row, const int* starts, int group, float scale_log2) {                 \
+    flash_attention<T, HD, 2, false>(q, 0, q_row, k, v, 0, kv_row, nullptr, 1, 1, out, 0, o_row, 0, 0, group,    \
+                                     -1, scale_log2, starts);                                                     \
+  }
+
+// Prefill over the paged pool (the LMs' head dims).
+#define FLASH_PAGED(suffix, T, HD)                                                                                \
   extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)                                                     \
       flash_paged_##suffix##_##HD(const T* q, long q_row, const T* k, const T* v, const unsigned* table,         \
                                   int block_size, int kv_heads, T* out, long o_row, int n_q, int n_k, int group, \
                                   int past, float scale_log2) {                                                  \
     flash_attention<T, HD, 2, true>(q, 0, q_row, k, v, 0, 0, table, block_size, kv_heads, out, 0, o_row, n_q,    \
-                                    n_k, group, past, scale_log2);                                               \
+                                    n_k, group, past, scale_log2, nullptr);                                      \
   }
 
 FLASH(bf16, __nv_bfloat16, 64)
+FLASH(bf16, __nv_bfloat16, 80)
 FLASH(bf16, __nv_bfloat16, 128)
 FLASH(f16, __half, 64)
+FLASH(f16, __half, 80)
 FLASH(f16, __half, 128)
+FLASH_PAGED(bf16, __nv_bfloat16, 64)
+FLASH_PAGED(bf16, __nv_bfloat16, 128)
+FLASH_PAGED(f16, __half, 64)
+FLASH_PAGED(f16, __half, 128)

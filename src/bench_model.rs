@@ -7,6 +7,11 @@
 //! - prefill tokens/s of one long prompt, and the share of `--peak-flops`;
 //! - vision tower + projector images/s at several batch sizes, and the share of peak.
 //!
+//! For a Qwen2-VL / Qwen2.5-VL directory the same LM figures, and the vision tower (with
+//! its merger) at `--image-sizes`: one image of each size alone, and a batch of
+//! `--images` images cycling through the sizes (one packed sequence, as the encoder runs
+//! them).
+//!
 //! Times are device-synchronised wall clock, the median of `--repeats` after a warm-up.
 
 use std::path::PathBuf;
@@ -20,7 +25,7 @@ use serde_json::json;
 
 #[derive(Debug, clap::Args)]
 pub struct ModelBench {
-    /// Model directory (LLaVA-1.5).
+    /// Model directory (LLaVA-1.5, Qwen2-VL or Qwen2.5-VL).
     #[arg(long, default_value = "assets/models/llava-tiny")]
     pub model: PathBuf,
     #[command(flatten)]
@@ -40,6 +45,10 @@ pub struct ModelBench {
     /// Vision batch sizes, comma-separated (0: skip).
     #[arg(long, value_delimiter = ',', default_value = "1,32")]
     pub images: Vec<usize>,
+    /// Qwen-VL: square image sides, in pixels, comma-separated (each resized as the
+    /// preprocessor would: to multiples of 28).
+    #[arg(long, value_delimiter = ',', default_value = "448,1024")]
+    pub image_sizes: Vec<u32>,
     /// Timed repeats of the prefill and vision measurements.
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
@@ -102,15 +111,18 @@ fn lm_params(c: &LlamaConfig) -> (f64, f64) {
 
 pub fn run(b: ModelBench) -> anyhow::Result<()> {
     let dir = ModelDir::open(&b.model)?;
-    let ModelConfig::Llava(cfg) = &dir.config else { bail!("bench model measures LLaVA-1.5 directories") };
+    let t = dir.config.text();
+    if matches!(dir.config, ModelConfig::Qwen2Audio(_)) {
+        bail!("bench model measures LLaVA-1.5 and Qwen-VL directories");
+    }
     let placement = b.placement.resolve(&dir)?;
     let (device, dtype) = (placement.device.clone(), placement.dtype);
     let t0 = Instant::now();
     let weights = placement.weights(&dir)?;
-    let llama = Llama::from_weights(&weights, &cfg.text)?;
+    let llama = Llama::from_weights(&weights, t)?;
     sync(&device)?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (layers, head) = lm_params(&cfg.text);
+    let (layers, head) = lm_params(t);
     let elem = dtype.size_in_bytes() as f64;
     let mut rows = Vec::new();
     let note = |rows: &mut Vec<serde_json::Value>, v: serde_json::Value| {
@@ -126,12 +138,12 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
     );
 
     if b.parity {
+        let ModelConfig::Llava(cfg) = &dir.config else { bail!("--parity runs LLaVA-1.5 fixtures") };
         let v = parity(&dir, cfg, &weights, &llama)?;
         note(&mut rows, v);
     }
 
     // Decode.
-    let t = &cfg.text;
     let kv_per_token = 2.0 * t.num_hidden_layers as f64 * t.num_key_value_heads as f64 * t.head_dim as f64 * elem;
     for &batch in b.batches.iter().filter(|&&n| n > 0) {
         let per_seq = (b.prompt + b.output + 1).div_ceil(b.block_size);
@@ -208,6 +220,17 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         );
     }
 
+    if let ModelConfig::Qwen2Vl(cfg) = &dir.config {
+        for row in qwen_vision(&b, &weights, cfg, &device)? {
+            note(&mut rows, row);
+        }
+    }
+    let ModelConfig::Llava(cfg) = &dir.config else {
+        if !b.json {
+            print_table(&rows);
+        }
+        return Ok(());
+    };
     // Vision tower + projector.
     if b.images.iter().any(|&n| n > 0) {
         let vision = LlavaVision::from_weights(&weights, cfg)?;
@@ -248,6 +271,91 @@ pub fn run(b: ModelBench) -> anyhow::Result<()> {
         print_table(&rows);
     }
     Ok(())
+}
+
+/// Qwen-VL's tower and merger: each of `--image-sizes` alone, then `--images` images
+/// cycling through them in one packed sequence. FLOPs count the GEMMs and attention
+/// within each image (or window).
+fn qwen_vision(
+    b: &ModelBench,
+    weights: &Weights,
+    cfg: &mmserve_config::Qwen2VlConfig,
+    device: &Device,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    use mmserve_models::{Grid, Qwen2VisionTower};
+    let v = &cfg.vision;
+    let mut tower = Qwen2VisionTower::from_weights(weights, v)?;
+    let factor = (v.patch_size * v.spatial_merge_size) as u32;
+    let grid = |side: u32| -> anyhow::Result<Grid> {
+        let (h, w) = mmserve_media::qwen2vl::smart_resize(side, side, factor, 56 * 56, 28 * 28 * 1280)?;
+        Ok(Grid { t: 1, h: (h / v.patch_size as u32) as usize, w: (w / v.patch_size as u32) as usize })
+    };
+    let (d, hid, out) = (v.embed_dim as f64, v.mlp_hidden as f64, v.hidden_size as f64);
+    let m2 = (v.spatial_merge_size * v.spatial_merge_size) as f64;
+    let mlp_gemms = if v.window.is_some() { 3.0 } else { 2.0 };
+    let flops = |grids: &[Grid]| -> f64 {
+        let mut total = 0.0;
+        for g in grids {
+            let n = g.h as f64 * g.w as f64;
+            let full = 4.0 * n * n * d;
+            // Windows of `size` merged patches a side: the attention of a window block.
+            let windowed = v.window.as_ref().map(|w| {
+                let size = w.window_size / v.spatial_merge_size / v.patch_size * v.spatial_merge_size;
+                let (rows, cols) = (g.h.div_ceil(size), g.w.div_ceil(size));
+                let mut sum = 0.0;
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let len = (size.min(g.h - r * size) * size.min(g.w - c * size)) as f64;
+                        sum += 4.0 * len * len * d;
+                    }
+                }
+                sum
+            });
+            for i in 0..v.depth {
+                let attn = match (&v.window, windowed) {
+                    (Some(w), Some(win)) if !w.fullatt_block_indexes.contains(&i) => win,
+                    _ => full,
+                };
+                total += 2.0 * n * (4.0 * d * d + mlp_gemms * d * hid) + attn;
+            }
+            total += 2.0 * n * v.patch_values() as f64 * d + 2.0 * (n / m2) * (m2 * d * m2 * d + m2 * d * out);
+        }
+        total
+    };
+    let mut runs: Vec<(String, Vec<Grid>)> =
+        b.image_sizes.iter().map(|&s| Ok((format!("{s}"), vec![grid(s)?]))).collect::<anyhow::Result<_>>()?;
+    if let Some(&n) = b.images.iter().max().filter(|&&n| n > 1) {
+        let grids: Vec<Grid> =
+            (0..n).map(|i| grid(b.image_sizes[i % b.image_sizes.len()])).collect::<anyhow::Result<_>>()?;
+        runs.push((format!("mix of {}", b.image_sizes.len()), grids));
+    }
+    let mut rows = Vec::new();
+    for (label, grids) in runs {
+        let patches: usize = grids.iter().map(|g| g.t * g.h * g.w).sum();
+        let pixels = Tensor::rand(-1f32, 1f32, (patches, v.patch_values()), device)?;
+        let (secs, issue) = timed(device, b.repeats, &mut || {
+            tower.forward(&pixels, &grids)?;
+            Ok(())
+        })?;
+        let f = flops(&grids);
+        rows.push(json!({"vision_batch": grids.len(), "image_side": label, "patches": patches,
+                         "images_per_s": grids.len() as f64 / secs, "seconds": secs, "host_issue_ms": issue * 1e3,
+                         "tflops": f / secs / 1e12, "peak_share": f / secs / b.peak_flops}));
+        if label.starts_with("mix") && device.is_cuda() {
+            // The flash path against candle's f32 attention on the same weights and
+            // pixels: max |Δ| over the largest output.
+            let fast = tower.forward(&pixels, &grids)?.to_dtype(DType::F32)?;
+            tower.set_flash_attention(false);
+            let plain = tower.forward(&pixels, &grids)?.to_dtype(DType::F32)?;
+            tower.set_flash_attention(true);
+            let largest = plain.abs()?.max_all()?.to_scalar::<f32>()?;
+            let worst = (fast - plain)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            rows.push(
+                json!({"vision_flash_vs_f32_attention": label, "max_rel_diff": worst / largest.max(f32::MIN_POSITIVE)}),
+            );
+        }
+    }
+    Ok(rows)
 }
 
 /// Times each of CLIP's four linear shapes for `images` images three ways (microseconds a
@@ -312,7 +420,10 @@ fn print_table(rows: &[serde_json::Value]) {
         // Compute-bound rows: prefill and the vision tower.
         let compute = match (r.get("prefill_tokens"), r.get("vision_batch")) {
             (Some(n), _) => Some((format!("prefill {n:>5} tokens:"), f(r, "tokens_per_s"), "tok/s")),
-            (_, Some(n)) => Some((format!("vision  batch {n:>3}:"), f(r, "images_per_s"), "img/s")),
+            (_, Some(n)) => {
+                let side = r.get("image_side").and_then(|s| s.as_str()).map(|s| format!(" ({s})")).unwrap_or_default();
+                Some((format!("vision  batch {n:>3}{side}:"), f(r, "images_per_s"), "img/s"))
+            }
             _ => None,
         };
         if let Some(batch) = r.get("decode_batch") {

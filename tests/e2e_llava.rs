@@ -404,6 +404,12 @@ async fn logit_bias_moves_the_choice_and_bad_biases_are_refused() {
         assert_eq!(status, 400, "{bad}: {v}");
         assert_eq!(v["error"]["param"], "logit_bias", "{v}");
     }
+    // CLIP's fixed size takes no mm_processor_kwargs: refused, not ignored.
+    let mut kwargs = body(Value::Null);
+    kwargs["mm_processor_kwargs"] = json!({"max_pixels": 1000});
+    let (status, v) = server.chat(&kwargs).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "mm_processor_kwargs", "{v}");
     server.stop();
 }
 

@@ -10,8 +10,6 @@ bin=.gpu/bin/mmserve
 nvidia-smi --query-gpu=name --format=csv,noheader
 nproc
 python3 benches/gpu/stand_in_model.py /tmp/llava-1.5-7b-stand-in >/dev/null
-echo "== Qwen-VL on the GPU"
-timeout 120 python3 benches/gpu/qwen_vl_smoke.py $bin 2>&1 | grep -E "identical|DIFFERENT|Error"
 echo "== components (mmserve bench model)"
 MMSERVE_LOG=warn timeout 150 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
   --device cuda --dtype bfloat16 --batches 64 --prompt 640 --output 64 --prefill 2048 --images 32 --repeats 3 2>&1 \

@@ -63,6 +63,25 @@ impl ImageProcessor {
         }
     }
 
+    /// `(min_pixels, max_pixels)` where the processor resizes to fit them (Qwen2-VL).
+    pub fn pixel_bounds(&self) -> Option<(u64, u64)> {
+        match self {
+            Self::Clip(_) => None,
+            Self::Qwen2Vl(p) => Some(p.pixel_bounds()),
+        }
+    }
+
+    /// This processor with other pixel bounds (see
+    /// [`Qwen2VlImageProcessor::with_pixel_bounds`]); CLIP's fixed size has none.
+    pub fn with_pixel_bounds(&self, min_pixels: u64, max_pixels: u64) -> Result<Self, MediaError> {
+        match self {
+            Self::Clip(_) => {
+                Err(bad("this model's image processor (CLIP) resizes to a fixed size: it takes no pixel bounds"))
+            }
+            Self::Qwen2Vl(p) => p.with_pixel_bounds(min_pixels, max_pixels).map(Self::Qwen2Vl),
+        }
+    }
+
     /// See [`ClipImageProcessor::fingerprint`] and [`Qwen2VlImageProcessor::fingerprint`].
     pub fn fingerprint(&self) -> String {
         match self {

@@ -180,6 +180,17 @@ impl Qwen2VlImageProcessor {
         (self.min_pixels, self.max_pixels)
     }
 
+    /// This processor with other pixel bounds (a request's `mm_processor_kwargs`); both
+    /// must be positive, the smaller first.
+    pub fn with_pixel_bounds(&self, min_pixels: u64, max_pixels: u64) -> Result<Self, MediaError> {
+        if min_pixels == 0 || min_pixels > max_pixels {
+            return Err(bad(format!(
+                "min_pixels ({min_pixels}) must be positive and at most max_pixels ({max_pixels})"
+            )));
+        }
+        Ok(Self { min_pixels, max_pixels, ..self.clone() })
+    }
+
     /// The `(height, width)` an image of `height × width` pixels is resized to (see
     /// [`smart_resize`]); without `do_resize` the size itself, which must then be a
     /// multiple of [`Self::factor`].

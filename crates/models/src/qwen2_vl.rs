@@ -12,6 +12,7 @@
 
 use candle_core::{D, DType, Device, Module, Tensor};
 use mmserve_config::Qwen2VisionConfig;
+use mmserve_ops::flash_attention::{self, Segments};
 
 use crate::ModelError;
 use crate::activation::Activation;
@@ -74,6 +75,8 @@ pub struct Qwen2VisionTower {
     merge_fc2: Linear,
     act: Activation,
     cfg: Qwen2VisionConfig,
+    /// Whether the flash kernels may take the attention (`Kernels::flash_attention`).
+    flash: bool,
 }
 
 /// One image (or video) in patches: frames, rows, columns.
@@ -133,7 +136,14 @@ impl Qwen2VisionTower {
             merge_fc2: s.linear("merger.mlp.2", merged, cfg.hidden_size, true)?,
             act: Activation::from_name(&cfg.hidden_act)?,
             cfg: cfg.clone(),
+            flash: weights.kernels().flash_attention,
         })
+    }
+
+    /// Whether the attention may take the flash kernels (on by `Kernels::flash_attention`);
+    /// off, candle's ops in f32: the benchmark's cross-check of the kernels at real shapes.
+    pub fn set_flash_attention(&mut self, on: bool) {
+        self.flash = on;
     }
 
     /// Embedding rows of the images: `pixels` [patches, patch values] in the
@@ -160,7 +170,7 @@ impl Qwen2VisionTower {
         }
         let dtype = self.patch.dtype();
         let mut x = self.patch.forward(&pixels.to_dtype(dtype)?)?;
-        let (mut cos, mut sin) = self.rotary(grids, x.device())?;
+        let mut angles = self.rotary(grids, x.device())?;
         // Attention runs within each frame: h·w patches at a time.
         let frames: Vec<usize> = grids.iter().flat_map(|g| std::iter::repeat_n(g.h * g.w, g.t)).collect();
         // Qwen2.5-VL: patches regrouped into windows (whole merge groups at a time).
@@ -172,19 +182,46 @@ impl Qwen2VisionTower {
                     order.iter().flat_map(|&u| (0..unit).map(move |i| (u * unit + i) as u32)).collect();
                 let rows = Tensor::new(rows.as_slice(), x.device())?;
                 x = x.index_select(&rows, 0)?;
-                (cos, sin) = (cos.index_select(&rows, 0)?, sin.index_select(&rows, 0)?);
+                angles = angles.index_select(&rows, 0)?;
                 Some((order, lens.iter().map(|l| l * unit).collect::<Vec<_>>(), &w.fullatt_block_indexes))
             }
             None => None,
         };
+        let head_dim = self.cfg.embed_dim / self.cfg.num_heads;
+        let attention = if self.flash && flash_attention::applies_varlen(x.device(), dtype, head_dim) {
+            let device = x.device();
+            Attention::Flash {
+                cos: angles.cos()?.to_dtype(dtype)?,
+                sin: angles.sin()?.to_dtype(dtype)?,
+                frames: Segments::new(&frames, device)?,
+                windows: windows.as_ref().map(|(_, lens, _)| Segments::new(lens, device)).transpose()?,
+            }
+        } else {
+            // Each angle turns dimensions i and i + head_dim / 2 (`rotate_half`).
+            let twice = |t: Tensor| -> candle_core::Result<Tensor> { Tensor::cat(&[&t, &t], D::Minus1)?.unsqueeze(1) };
+            Attention::Plain { cos: twice(angles.cos()?)?, sin: twice(angles.sin()?)? }
+        };
         let mut layers = Vec::with_capacity(self.blocks.len());
         for (i, b) in self.blocks.iter().enumerate() {
+            let windowed = matches!(&windows, Some((_, _, full)) if !full.contains(&i));
             let segments = match &windows {
-                Some((_, lens, full)) if !full.contains(&i) => lens.as_slice(),
+                Some((_, lens, _)) if windowed => lens.as_slice(),
                 _ => frames.as_slice(),
             };
             let h = b.norm1.forward(&x)?;
-            let attn = self.attention(b, &h, &cos, &sin, segments)?;
+            let attn = match &attention {
+                Attention::Plain { cos, sin } => self.attention(b, &h, cos, sin, segments)?,
+                Attention::Flash { cos, sin, frames, windows } => {
+                    let segments = match windows {
+                        Some(w) if windowed => w,
+                        _ => frames,
+                    };
+                    let qkv = b.qkv.forward(&h)?;
+                    let heads = self.cfg.num_heads;
+                    let (q, k, v) = mmserve_ops::decoder_fused::rope_split(&qkv, cos, sin, (heads, heads, head_dim))?;
+                    flash_attention::varlen(&q, &k, &v, segments, (head_dim as f32).powf(-0.5))?
+                }
+            };
             x = (x + b.proj.forward(&attn)?)?;
             let h = b.norm2.forward(&x)?;
             x = (&x + b.mlp.forward(&h, self.act)?)?;
@@ -203,32 +240,26 @@ impl Qwen2VisionTower {
         Ok((layers, out))
     }
 
-    /// cos and sin [patches, head_dim] of each patch's 2-D position: the first half of
-    /// the rotary frequencies turn with the row, the second with the column (each
-    /// repeated, as `rotate_half` pairs dimension i with i + head_dim / 2).
-    fn rotary(&self, grids: &[Grid], device: &Device) -> Result<(Tensor, Tensor), ModelError> {
+    /// The rotary angles [patches, head_dim / 2] (f32) of each patch's 2-D position: the
+    /// first half of the frequencies turn with the row, the second with the column.
+    fn rotary(&self, grids: &[Grid], device: &Device) -> Result<Tensor, ModelError> {
         let head_dim = self.cfg.embed_dim / self.cfg.num_heads;
         let dim = head_dim / 2;
         let inv: Vec<f64> = (0..dim / 2).map(|i| 1.0 / THETA.powf((2 * i) as f64 / dim as f64)).collect();
         let m = self.cfg.spatial_merge_size;
         let n: usize = grids.iter().map(Grid::patches).sum();
-        let (mut cos, mut sin) = (Vec::with_capacity(n * head_dim), Vec::with_capacity(n * head_dim));
+        let mut angles = Vec::with_capacity(n * dim);
         for g in grids {
             for _ in 0..g.t {
                 // Patches come merge group by merge group: block row, block column, then
                 // the group's own rows and columns.
                 for (bh, bw, ih, iw) in itertools_product(g.h / m, g.w / m, m) {
                     let (row, col) = ((bh * m + ih) as f64, (bw * m + iw) as f64);
-                    let angles: Vec<f64> = inv.iter().map(|f| row * f).chain(inv.iter().map(|f| col * f)).collect();
-                    for _ in 0..2 {
-                        cos.extend(angles.iter().map(|a| a.cos() as f32));
-                        sin.extend(angles.iter().map(|a| a.sin() as f32));
-                    }
+                    angles.extend(inv.iter().map(|f| (row * f) as f32).chain(inv.iter().map(|f| (col * f) as f32)));
                 }
             }
         }
-        let t = |v: Vec<f32>| Tensor::from_vec(v, (n, 1, head_dim), device);
-        Ok((t(cos)?, t(sin)?))
+        Ok(Tensor::from_vec(angles, (n, dim), device)?)
     }
 
     /// Multi-head attention of `h` [patches, dim] within each frame, rotary on q and k.
@@ -267,6 +298,16 @@ impl Qwen2VisionTower {
         }
         Ok(Tensor::cat(&outs, 0)?.reshape((n, d))?)
     }
+}
+
+/// How a forward runs its attention, with the tables every block shares.
+enum Attention {
+    /// Candle's ops in f32, segment by segment (the CPU; f32 on the GPU): cos and sin
+    /// [patches, 1, head_dim].
+    Plain { cos: Tensor, sin: Tensor },
+    /// The GPU in 16 bits: rotary in `rope_split`'s kernel (cos and sin [patches,
+    /// head_dim / 2]), then one varlen flash launch over all images (or windows).
+    Flash { cos: Tensor, sin: Tensor, frames: Segments, windows: Option<Segments> },
 }
 
 /// Qwen2.5-VL's windows over merge groups: each frame's grid of merged patches cut into

@@ -8,6 +8,9 @@
 //!   two batched GEMMs, the softmax over a materialised score matrix and the transpose back.
 //! - prefill over the paged pool ([`paged`]): a sequence's new queries over its cached and
 //!   new keys, causal, read through its block table with no gather of the blocks.
+//! - Qwen-VL's towers ([`varlen`]): one packed sequence of images (or windows) of
+//!   different lengths, each row over the keys of its own segment only, with no padding to
+//!   the longest and one launch for all.
 //!
 //! Each op's CPU twin is a plain two-pass softmax in f32, the reference the kernel is tested
 //! against ([`self_test`]); the model code calls the ops on the GPU only.
@@ -28,6 +31,12 @@ use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, Push
 /// whether to take them: `Kernels::flash_attention`).
 pub fn applies(device: &Device, dtype: DType, head_dim: usize) -> bool {
     device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
+}
+
+/// [`applies`] for [`varlen`], which also takes Qwen-VL's head dim 80 (1280 / 16): the
+/// kernel's loops run over 16-dim steps, so 80 is compiled as such, not padded to 128.
+pub fn applies_varlen(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 80 | 128)
 }
 
 /// `body` with `T` the element type of a 16-bit float `dtype` and `SUFFIX` its name in
@@ -104,7 +113,7 @@ fn load(dev: &candle_core::CudaDevice, g: &Geometry, name: &str) -> candle_core:
     const MODULE: crate::launch::Module = crate::launch::module!("flash_attention");
     const KEYS: usize = 64; // FA_BC
     const TILES: usize = ROW_TILES;
-    if !matches!(g.head_dim, 64 | 128) {
+    if !matches!(g.head_dim, 64 | 80 | 128) {
         candle_core::bail!("flash attention: head dim {} is not compiled", g.head_dim);
     }
     let func = crate::launch::kernel!(MODULE, dev, &format!("{name}_{}", g.head_dim))?;
@@ -380,6 +389,150 @@ impl CustomOp3 for Paged<'_> {
     }
 }
 
+/// The segments of a packed sequence on the device: segment i is rows
+/// `starts[i]..starts[i + 1]`. Made once per forward, used by every layer.
+pub struct Segments {
+    /// The kernel's view: [segments + 1] i32 on the device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    starts: Tensor,
+    lens: Vec<usize>,
+}
+
+impl Segments {
+    /// From the segments' lengths, in order; empty ones are dropped (they hold no rows).
+    pub fn new(lens: &[usize], device: &Device) -> candle_core::Result<Self> {
+        let lens: Vec<usize> = lens.iter().copied().filter(|&n| n > 0).collect();
+        let mut starts = Vec::with_capacity(lens.len() + 1);
+        let mut at = 0usize;
+        starts.push(0i32);
+        for &n in &lens {
+            at += n;
+            starts.push(
+                i32::try_from(at).map_err(|_| candle_core::Error::Msg(format!("{at} rows in a packed sequence")))?,
+            );
+        }
+        Ok(Segments { starts: Tensor::new(starts.as_slice(), device)?, lens })
+    }
+
+    /// Rows in all segments.
+    pub fn rows(&self) -> usize {
+        self.lens.iter().sum()
+    }
+}
+
+/// The towers' op: `q` [n, H, hd], `k`, `v` [n, K, hd] in segments → [n, H · hd], each row
+/// over the keys of its segment.
+struct Varlen<'a> {
+    segments: &'a Segments,
+    scale: f32,
+}
+
+impl Varlen<'_> {
+    fn geometry(&self, lq: &Layout, lk: &Layout, lv: &Layout) -> candle_core::Result<Geometry> {
+        let (n, heads, head_dim) = lq.shape().dims3()?;
+        let (nk, kv_heads, kd) = lk.shape().dims3()?;
+        if lk.shape() != lv.shape() || nk != n || kd != head_dim || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            candle_core::bail!("flash varlen: q {:?}, k {:?}, v {:?} do not fit", lq.shape(), lk.shape(), lv.shape());
+        }
+        if !lq.is_contiguous() || !lk.is_contiguous() || !lv.is_contiguous() {
+            candle_core::bail!("flash varlen needs contiguous tensors");
+        }
+        if self.segments.rows() != n {
+            candle_core::bail!("flash varlen: segments of {} rows for {n} rows", self.segments.rows());
+        }
+        let longest = self.segments.lens.iter().copied().max().unwrap_or(0);
+        Ok(Geometry {
+            batch: self.segments.lens.len(),
+            n_q: longest,
+            n_k: longest,
+            heads,
+            kv_heads,
+            head_dim,
+            past: None,
+        })
+    }
+}
+
+impl CustomOp3 for Varlen<'_> {
+    fn name(&self) -> &'static str {
+        "flash_varlen"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &Layout,
+        k: &CpuStorage,
+        lk: &Layout,
+        v: &CpuStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = self.geometry(lq, lk, lv)?;
+        let (hd, n) = (g.head_dim, self.segments.rows());
+        let (oq, ok, ov) = (lq.start_offset(), lk.start_offset(), lv.start_offset());
+        let out = cpu_float!("flash_varlen", (q, k, v) => {
+            let (q, k, v) = (&q[oq..], &k[ok..], &v[ov..]);
+            let mut out = Vec::with_capacity(n * g.heads * hd);
+            let mut first = 0;
+            for &len in &self.segments.lens {
+                let seg = Geometry { batch: 1, n_q: len, n_k: len, ..g };
+                out.extend(reference(&seg, q, k, v, |_, i, h| ((first + i) * g.heads + h) * hd,
+                    |_, j, h| ((first + j) * g.kv_heads + h) * hd, self.scale));
+                first += len;
+            }
+            out
+        });
+        Ok((out, Shape::from((n, g.heads * hd))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let g = self.geometry(lq, lk, lv)?;
+        let n = self.segments.rows();
+        let (ss, sl) = self.segments.starts.storage_and_layout();
+        let candle_core::Storage::Cuda(ss) = &*ss else {
+            candle_core::bail!("flash varlen: the segments are not on the GPU")
+        };
+        let starts = crate::launch::view::<i32>(ss, sl)?;
+        let dev = q.device().clone();
+        let (q_row, kv_row) = ((g.heads * g.head_dim) as i64, (g.kv_heads * g.head_dim) as i64);
+        let group = (g.heads / g.kv_heads) as i32;
+        let scale = self.scale * std::f32::consts::LOG2_E;
+        let out = by_half!(q.dtype(), |T, SUFFIX| {
+            let (func, cfg) = load(&dev, &g, &format!("flash_varlen_{SUFFIX}"))?;
+            let q = crate::launch::view::<T>(q, lq)?;
+            let k = crate::launch::view::<T>(k, lk)?;
+            let v = crate::launch::view::<T>(v, lv)?;
+            // SAFETY: the kernel writes every row of every head (each row is in a segment).
+            let mut out = unsafe { dev.alloc::<T>(n * g.heads * g.head_dim)? };
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&q).arg(&q_row).arg(&k).arg(&v).arg(&kv_row).arg(&mut out).arg(&q_row);
+            b.arg(&starts).arg(&group).arg(&scale);
+            // SAFETY: segment b's rows starts[b]..starts[b + 1] lie within the n rows of q, k,
+            // v and out (`geometry` checked that the segments cover exactly n rows); a CTA
+            // past its segment's end returns before touching memory.
+            unsafe { b.launch(cfg) }.w()?;
+            crate::launch::storage(out, &dev)
+        });
+        Ok((out, Shape::from((n, g.heads * g.head_dim))))
+    }
+}
+
+/// Attention within segments of one packed sequence: `q` [n, H, hd], `k`, `v` [n, K, hd]
+/// (K dividing H) → [n, H · hd], no row seeing another segment's keys.
+pub fn varlen(q: &Tensor, k: &Tensor, v: &Tensor, segments: &Segments, scale: f32) -> candle_core::Result<Tensor> {
+    q.contiguous()?.apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &Varlen { segments, scale })
+}
+
 /// `softmax(scale · q·kᵀ)·v` of the encoder: `qkv` [B·N, 3·H·hd] (q, k and v side by side)
 /// → [B·N, H·hd], every query over every key of its item.
 pub fn packed(qkv: &Tensor, batch: usize, n: usize, heads: usize, scale: f32) -> candle_core::Result<Tensor> {
@@ -441,6 +594,28 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
                 if let Some(line) = judge(&run(device, kernel)?, &want, dtype) {
                     bad.push(format!("packed case {i} {dtype:?} {kernel:?}: {line}"));
                 }
+            }
+        }
+        // Segments (one of a single row, one of a tile and a row, one spanning several
+        // tiles of keys) at Qwen-VL's head dim 80 and at 64 with grouped heads. A row that
+        // strayed into a neighbour's keys would change the result.
+        let cases: [(&[usize], usize, usize, usize); 3] =
+            [(&[77, 1, 130, 64], 2, 2, 80), (&[200, 3], 4, 2, 64), (&[5, 129], 1, 1, 128)];
+        for (i, &(lens, heads, kv_heads, hd)) in cases.iter().enumerate() {
+            let n: usize = lens.iter().sum();
+            let (q, k, v) = (uniform(n * heads * hd), uniform(n * kv_heads * hd), uniform(n * kv_heads * hd));
+            let run = |dev: &Device| -> Result<Vec<f32>, OpError> {
+                let t = |x: &[f32], h: usize| -> Result<Tensor, OpError> {
+                    Ok(Tensor::from_slice(x, (n, h, hd), dev)?.to_dtype(dtype)?)
+                };
+                let segments = Segments::new(lens, dev)?;
+                let out =
+                    varlen(&t(&q, heads)?, &t(&k, kv_heads)?, &t(&v, kv_heads)?, &segments, (hd as f32).powf(-0.5))?;
+                Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+            };
+            let want = run(&Device::Cpu)?;
+            if let Some(line) = judge(&run(device)?, &want, dtype) {
+                bad.push(format!("varlen case {i} {dtype:?}: {line}"));
             }
         }
         // (new queries, cached tokens, heads, kv heads, head_dim, block_size)
@@ -558,6 +733,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The varlen twin equals the packed twin run on each segment alone.
+    #[test]
+    fn varlen_twin_keeps_segments_apart() {
+        let dev = Device::Cpu;
+        let (h, d, lens) = (2, 4, [3usize, 5, 1]);
+        let n: usize = lens.iter().sum();
+        let qkv = Tensor::randn(0f32, 1.0, (n, 3 * h * d), &dev).unwrap();
+        let part = |i: usize| qkv.narrow(1, i * h * d, h * d).unwrap().reshape((n, h, d)).unwrap();
+        let segments = Segments::new(&[3, 0, 5, 1], &dev).unwrap();
+        let got = varlen(&part(0), &part(1), &part(2), &segments, 0.7).unwrap();
+        let mut at = 0;
+        for len in lens {
+            let want = packed(&qkv.narrow(0, at, len).unwrap().contiguous().unwrap(), 1, len, h, 0.7).unwrap();
+            let diff = (got.narrow(0, at, len).unwrap() - want).unwrap().abs().unwrap();
+            assert!(diff.max_all().unwrap().to_scalar::<f32>().unwrap() < 1e-6, "segment at {at}");
+            at += len;
+        }
+        assert!(varlen(&part(0), &part(1), &part(2), &Segments::new(&[3, 5], &dev).unwrap(), 1.0).is_err());
     }
 
     #[test]

@@ -14,6 +14,11 @@ pub struct EncodeItem {
     pub data_len: u64,
     pub start_index: u64,
     pub token_num: u32,
+    /// Qwen-VL images: `(min_pixels, max_pixels)` the request chose
+    /// (`mm_processor_kwargs`) instead of the preprocessor config's; part of the item's
+    /// digest, so items under other bounds never share an embedding.
+    #[serde(default)]
+    pub pixel_bounds: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

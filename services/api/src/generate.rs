@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use crate::cpu;
 use crate::error::ApiError;
 use crate::load::Queued;
-use crate::media::{MediaItem, TokenBudget, check_kind, prepare};
+use crate::media::{MediaItem, RequestMedia, TokenBudget, check_kind, prepare};
 use crate::openai::ChatRequest;
 use crate::prompt::{check_text_fits, expand, mark_literal, parse_messages, tokenize};
 use crate::state::AppState;
@@ -251,10 +251,14 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
 
     // Media: fetched, checked and keyed, all items at once.
     let budget = TokenBudget::new(state.max_model_len, (ids.len() as u64).saturating_sub(parsed.items.len() as u64));
-    let items: Vec<MediaItem> = futures::future::try_join_all(
-        parsed.items.iter().map(|src| prepare(src, &state.limits, &state.fingerprint, &budget)),
-    )
-    .await?;
+    let custom = RequestMedia::from_kwargs(req.mm_processor_kwargs.as_ref(), &state.limits, &state.model_name)?;
+    let (limits, fingerprint) = match &custom {
+        Some(c) => (&c.limits, c.fingerprint.as_str()),
+        None => (&state.limits, state.fingerprint.as_str()),
+    };
+    let items: Vec<MediaItem> =
+        futures::future::try_join_all(parsed.items.iter().map(|src| prepare(src, limits, fingerprint, &budget)))
+            .await?;
     let tokens_of =
         |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
@@ -364,6 +368,7 @@ async fn reserve(
                 data_len: r.data_len,
                 start_index: r.start_index,
                 token_num: r.token_num,
+                pixel_bounds: item.pixel_bounds,
             });
         }
     }

@@ -147,6 +147,11 @@ pub struct MediaArgs {
     /// Most pixels of one image, read from its header before decoding.
     #[arg(long, env = "MMSERVE_MAX_IMAGE_PIXELS", default_value_t = 178_956_970)]
     pub max_image_pixels: u64,
+    /// The largest `min_pixels` or `max_pixels` a request's `mm_processor_kwargs` may set
+    /// (Qwen-VL's dynamic resolution: an image's tokens grow with them); 0: the
+    /// preprocessor config's `max_pixels`.
+    #[arg(long, env = "MMSERVE_MM_MAX_PIXELS", default_value_t = 0)]
+    pub mm_max_pixels: u64,
     /// Longest audio clip in seconds, read from the container header where it states a
     /// length, else counted while decoding. The model hears the first 30 s.
     #[arg(long, env = "MMSERVE_MAX_AUDIO_SECONDS", default_value_t = 600.0)]
@@ -294,6 +299,10 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
                 max_redirects: args.media.media_max_redirects,
             },
             cpu: cpu::Pool::new(workers, secs(t.cpu_wait_timeout_s)),
+            kwargs_max_pixels: match args.media.mm_max_pixels {
+                0 => model_media.pixel_bounds().map_or(0, |(_, max)| max),
+                n => n,
+            },
             model: model_media,
         },
         info.max_model_len,

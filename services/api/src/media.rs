@@ -37,6 +37,9 @@ pub struct MediaItem {
     pub token_num: u32,
     /// Qwen-VL images: the merged patch grid (rows, columns) the tokens lay out.
     pub grid: Option<(usize, usize)>,
+    /// Qwen-VL images: the pixel bounds they are resized within (the config's, or those
+    /// the request chose in `mm_processor_kwargs`), which the encoder resizes within too.
+    pub pixel_bounds: Option<(u64, u64)>,
 }
 
 /// What the served model takes, with what prepares it.
@@ -59,6 +62,14 @@ impl ModelMedia {
         }
     }
 
+    /// The processor's `(min_pixels, max_pixels)`, where it has them (Qwen-VL).
+    pub fn pixel_bounds(&self) -> Option<(u64, u64)> {
+        match self {
+            ModelMedia::Image { processor, .. } => processor.pixel_bounds(),
+            ModelMedia::Audio(_) => None,
+        }
+    }
+
     /// Everything besides the bytes that changes an item's embedding (the model name is
     /// added by the caller).
     pub fn fingerprint(&self) -> String {
@@ -78,7 +89,76 @@ pub struct MediaLimits {
     pub fetch: FetchPolicy,
     /// The api's CPU pool ([`cpu`]): media checks, hashing, audio decoding, tokenizing.
     pub cpu: crate::cpu::Pool,
+    /// The largest pixel bound `mm_processor_kwargs` may set (0: the model has none).
+    pub kwargs_max_pixels: u64,
     pub model: ModelMedia,
+}
+
+/// The media settings of one request: the server's, or those its `mm_processor_kwargs`
+/// chose (Qwen-VL: `min_pixels`, `max_pixels`, each within `--mm-max-pixels`).
+pub struct RequestMedia {
+    pub limits: MediaLimits,
+    /// The items' digest key: the model name and the processor's settings.
+    pub fingerprint: String,
+}
+
+impl RequestMedia {
+    /// `None` when the request changes nothing (no kwargs, or an empty object).
+    pub fn from_kwargs(
+        kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
+        limits: &MediaLimits,
+        model_name: &str,
+    ) -> Result<Option<Self>, ApiError> {
+        let Some(kwargs) = kwargs.filter(|k| !k.is_empty()) else { return Ok(None) };
+        let ModelMedia::Image { processor, model_tokens } = &limits.model else {
+            return Err(ApiError::bad_param(
+                "mm_processor_kwargs",
+                format!("model {model_name}'s audio feature extractor takes no mm_processor_kwargs"),
+            ));
+        };
+        let Some((mut min, mut max)) = processor.pixel_bounds() else {
+            return Err(ApiError::bad_param(
+                "mm_processor_kwargs",
+                format!(
+                    "model {model_name}'s image processor resizes to a fixed size and takes no mm_processor_kwargs"
+                ),
+            ));
+        };
+        for (key, value) in kwargs {
+            let field = format!("mm_processor_kwargs.{key}");
+            let bound = match key.as_str() {
+                "min_pixels" => &mut min,
+                "max_pixels" => &mut max,
+                _ => {
+                    return Err(ApiError::bad_param(
+                        &field,
+                        format!(
+                            "{field} is not supported: model {model_name}'s processor takes min_pixels and max_pixels"
+                        ),
+                    ));
+                }
+            };
+            *bound = value
+                .as_u64()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| ApiError::bad_param(&field, format!("{field} must be a positive integer")))?;
+            if *bound > limits.kwargs_max_pixels {
+                return Err(ApiError::bad_param(
+                    &field,
+                    format!(
+                        "{field} is {}; this server allows at most {} (--mm-max-pixels)",
+                        *bound, limits.kwargs_max_pixels
+                    ),
+                ));
+            }
+        }
+        let processor = processor
+            .with_pixel_bounds(min, max)
+            .map_err(|e| ApiError::bad_param("mm_processor_kwargs", format!("mm_processor_kwargs: {e}")))?;
+        let model = ModelMedia::Image { processor, model_tokens: *model_tokens };
+        let fingerprint = format!("{model_name};{}", model.fingerprint());
+        Ok(Some(RequestMedia { limits: MediaLimits { model, ..limits.clone() }, fingerprint }))
+    }
 }
 
 /// The name a client used for an item's part, for error messages.
@@ -221,7 +301,8 @@ fn check_image(
     };
     let grid = processor.merged_grid(w, h).map_err(bad)?;
     let digest = ItemDigest::compute(Modality::Image, fingerprint, &bytes);
-    Ok(MediaItem { bytes, digest, modality: Modality::Image, token_num, grid })
+    let pixel_bounds = processor.pixel_bounds();
+    Ok(MediaItem { bytes, digest, modality: Modality::Image, token_num, grid, pixel_bounds })
 }
 
 fn audio(
@@ -254,7 +335,14 @@ fn audio(
     let token_num = fe.qwen2_audio_tokens_for(used.len()).map_err(bad)?;
     let digest = ItemDigest::compute(Modality::Audio, fingerprint, &bytes);
     let pcm: Vec<u8> = used.iter().flat_map(|s| s.to_le_bytes()).collect();
-    Ok(MediaItem { bytes: pcm, digest, modality: Modality::Audio, token_num: token_num as u32, grid: None })
+    Ok(MediaItem {
+        bytes: pcm,
+        digest,
+        modality: Modality::Audio,
+        token_num: token_num as u32,
+        grid: None,
+        pixel_bounds: None,
+    })
 }
 
 #[cfg(test)]

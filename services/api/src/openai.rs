@@ -56,6 +56,9 @@ pub struct ChatRequest {
     /// Token id (as a string, OpenAI's form) → a bias from -100 to 100 added to its logit.
     #[serde(default)]
     pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// vLLM's per-request preprocessing settings (Qwen-VL: `min_pixels`, `max_pixels`).
+    #[serde(default)]
+    pub mm_processor_kwargs: Option<serde_json::Map<String, Value>>,
     /// Every other field: refused when it is one mmserve does not implement
     /// ([`UNSUPPORTED`]), else logged and ignored, as vLLM does.
     #[serde(flatten)]

@@ -97,11 +97,11 @@ impl Prep {
         tokio::spawn(async move {
             let job = {
                 let view = view.clone();
-                let (offset, len) = (item.data_offset, item.data_len);
+                let (offset, len, bounds) = (item.data_offset, item.data_len, item.pixel_bounds);
                 tokio::task::spawn_blocking(move || {
                     let _thread = thread;
                     let bytes = view.read_data(offset, len).map_err(|e| ItemFailure::Internal(e.to_string()))?;
-                    preparer.prepare(&bytes).map_err(ItemFailure::Bad)
+                    preparer.prepare(&bytes, bounds).map_err(ItemFailure::Bad)
                 })
             };
             let (item, failure) = match job.await {

@@ -132,8 +132,12 @@ impl Tower {
 }
 
 impl Preparer {
-    /// The tower input of an item whose data is `bytes`; an error says why the item is bad.
-    pub(crate) fn prepare(&self, bytes: &[u8]) -> Result<Input, String> {
+    /// The tower input of an item whose data is `bytes` (Qwen-VL: resized within
+    /// `bounds` when the request chose them); an error says why the item is bad.
+    pub(crate) fn prepare(&self, bytes: &[u8], bounds: Option<(u64, u64)>) -> Result<Input, String> {
+        if bounds.is_some() && !matches!(self, Preparer::QwenVl { .. }) {
+            return Err("pixel bounds for a model whose processor takes none".into());
+        }
         match self {
             Preparer::Vision { processor, limits } => {
                 let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
@@ -142,7 +146,11 @@ impl Preparer {
             }
             Preparer::QwenVl { processor, limits } => {
                 let img = decode_image(bytes, limits).map_err(|e| e.to_string())?;
-                let p = processor.preprocess(&img).map_err(|e| e.to_string())?;
+                let p = match bounds {
+                    Some((min, max)) => processor.with_pixel_bounds(min, max).and_then(|p| p.preprocess(&img)),
+                    None => processor.preprocess(&img),
+                }
+                .map_err(|e| e.to_string())?;
                 let [t, h, w] = p.grid_thw.map(|n| n as usize);
                 Ok(Input { values: p.pixel_values, valid_frames: 0, grid: Some(Grid { t, h, w }) })
             }
