@@ -111,16 +111,11 @@ impl Client {
     /// The engine's counters from `/metrics`.
     async fn metrics(&self) -> anyhow::Result<Counters> {
         let text = self.http.get(format!("{}/metrics", self.url)).send().await?.text().await?;
-        let get = |name: &str| -> f64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0.0)
-        };
+        let get = |name: &str| -> f64 { crate::prom::sample(&text, name).unwrap_or(0.0) };
         Ok(Counters {
             steps: get("mmserve_engine_steps_total"),
-            schedule: get("mmserve_engine_schedule_seconds_total"),
-            step: get("mmserve_engine_step_seconds_total"),
+            schedule: get("mmserve_engine_schedule_microseconds_total") / 1e6,
+            step: get("mmserve_engine_step_microseconds_total") / 1e6,
             prefix_hits: get("mmserve_prefix_cache_hit_tokens_total"),
         })
     }

@@ -12,6 +12,7 @@ mod caption;
 mod config;
 mod embedded;
 mod preprocess;
+mod prom;
 mod serve;
 
 use std::collections::HashSet;

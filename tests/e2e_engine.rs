@@ -93,7 +93,7 @@ async fn preemption_completes_every_request_with_the_same_tokens() {
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "request {i} with preemption");
     }
-    assert!(server.metric("mmserve_preemptions_total").await > 0, "nothing was preempted");
+    assert!(server.metric("mmserve_num_preemptions_total").await > 0, "nothing was preempted");
     assert_eq!(server.metric_becomes("mmserve_kv_blocks_used", 0).await, 0);
     // A request that can never fit the pool is refused, not queued forever.
     let (status, body) = server.chat(&text_request(0, 400)).await;

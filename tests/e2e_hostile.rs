@@ -179,8 +179,8 @@ async fn a_disconnect_storm_leaves_nothing_held() {
         ("mmserve_embed_cache_references", 0),
         ("mmserve_embed_cache_waiting", 0),
         ("mmserve_queued_requests", 0),
-        ("mmserve_running_requests", 0),
-        ("mmserve_waiting_requests", 0),
+        ("mmserve_num_requests_running", 0),
+        ("mmserve_num_requests_waiting", 0),
         ("mmserve_kv_blocks_used", 0),
     ] {
         let got = server.metric_becomes(metric, want).await;

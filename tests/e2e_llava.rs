@@ -125,7 +125,7 @@ async fn a_client_that_disconnects_mid_stream_leaves_nothing_held() {
     assert_eq!(server.metric("mmserve_embed_cache_references").await, 1, "held while streaming");
     drop(body);
     assert_eq!(server.metric_becomes("mmserve_embed_cache_references", 0).await, 0);
-    assert_eq!(server.metric_becomes("mmserve_running_requests", 0).await, 0, "the engine aborted it");
+    assert_eq!(server.metric_becomes("mmserve_num_requests_running", 0).await, 0, "the engine aborted it");
     assert!(server.metric("mmserve_generation_tokens_total").await < 400);
     server.stop();
 }

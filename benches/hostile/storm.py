@@ -54,7 +54,7 @@ def metrics(url):
     for line in text.splitlines():
         if line and not line.startswith("#"):
             k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
+            out.setdefault(k.split("{", 1)[0], float(v))  # the first sample of a series
     return out
 
 
@@ -69,8 +69,8 @@ async def disconnect(a):
     print(f"{a.streams} streams: {done} answered 200, {vanished} vanished, "
           f"{len(res) - done - vanished} other")
     deadline = time.monotonic() + 60
-    keys = ["mmserve_embed_cache_references", "mmserve_embed_cache_waiting", "mmserve_running_requests",
-            "mmserve_waiting_requests", "mmserve_queued_requests", "mmserve_kv_blocks_used"]
+    keys = ["mmserve_embed_cache_references", "mmserve_embed_cache_waiting", "mmserve_num_requests_running",
+            "mmserve_num_requests_waiting", "mmserve_queued_requests", "mmserve_kv_blocks_used"]
     while True:
         m = metrics(a.url)
         if all(m.get(k, 0) == 0 for k in keys) or time.monotonic() > deadline:

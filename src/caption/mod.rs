@@ -151,7 +151,7 @@ pub(crate) async fn served_model(http: &reqwest::Client, base: &str, given: Opti
 
 async fn cache_hits(http: &reqwest::Client, base: &str) -> Option<u64> {
     let text = http.get(format!("{base}/metrics")).send().await.ok()?.text().await.ok()?;
-    text.lines().find_map(|l| l.strip_prefix("mmserve_embed_cache_hits_total ")?.trim().parse().ok())
+    crate::prom::sample(&text, "mmserve_embed_cache_hits_total").map(|v| v as u64)
 }
 
 /// The journal's path: `--out`, or beside it for `csv`.

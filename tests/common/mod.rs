@@ -103,12 +103,14 @@ impl Server {
     /// A metric's value from `/metrics`.
     pub async fn metric(&self, name: &str) -> u64 {
         let text = self.http.get(format!("{}/metrics", self.url)).send().await.unwrap().text().await.unwrap();
+        // `name value` or `name{labels} value`: the first sample.
         text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-            .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
-            .trim()
-            .parse()
-            .unwrap()
+            .find_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let rest = if rest.starts_with('{') { rest.split_once("} ")?.1 } else { rest.strip_prefix(' ')? };
+                rest.trim().parse::<f64>().ok()
+            })
+            .unwrap_or_else(|| panic!("no metric {name} in:\n{text}")) as u64
     }
 
     /// Waits (up to 10 s) until a metric reaches `want`; returns the last value seen.

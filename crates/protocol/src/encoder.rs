@@ -21,6 +21,15 @@ pub struct EncodeItem {
     pub pixel_bounds: Option<(u64, u64)>,
 }
 
+/// Where an item's time in the encoder went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ItemTiming {
+    /// Decoding and preprocessing (on a CPU thread).
+    pub preprocess_s: f64,
+    /// The tower forward of the batch it was in, writing its rows included.
+    pub tower_s: f64,
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct EncoderStats {
     /// Items run through the tower (cache hits never are).
@@ -48,6 +57,7 @@ pub enum EncoderError {
 pub trait Encoder {
     /// Resolves once every item's embedding rows are in the arena and marked ready.
     /// Items already ready, or being encoded for another request, are not encoded again.
-    async fn encode(items: Vec<EncodeItem>) -> Result<(), EncoderError>;
+    /// Returns the timings of the items this call had encoded (none for the others).
+    async fn encode(items: Vec<EncodeItem>) -> Result<Vec<ItemTiming>, EncoderError>;
     async fn stats() -> EncoderStats;
 }

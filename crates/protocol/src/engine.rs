@@ -123,6 +123,23 @@ pub struct OutputEvent {
     /// Newly complete text (never half a UTF-8 character); may be empty.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// On the event that ends a request after a token: where its time in the engine went.
+    pub timing: Option<RequestTiming>,
+}
+
+/// A finished request's time in the engine (vLLM's queue, prefill and decode intervals)
+/// and its prompt tokens served from the prefix cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestTiming {
+    /// From arrival in the engine to its first scheduled step.
+    pub queued_s: f64,
+    /// From its first scheduled step to its first token.
+    pub prefill_s: f64,
+    /// From its first token to its last.
+    pub decode_s: f64,
+    /// Prompt tokens whose keys and values came from the prefix cache (or, for a choice
+    /// forked from a sibling, from the sibling's prompt).
+    pub cached_tokens: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -138,6 +155,8 @@ pub struct EngineInfo {
     /// KV blocks held by running sequences, and in the whole pool.
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
+    /// Tokens a KV block holds.
+    pub kv_block_size: u64,
     /// Prompt tokens computed (prefilled, or recomputed after a preemption), since start.
     pub prefill_tokens: u64,
     /// Choices that started from a sibling's prefilled prompt (fork), since start.

@@ -15,10 +15,10 @@ pub use cache::{
     AdminError, AllocItem, ArenaDtype, ArenaInfo, CacheAdmin, CacheAdminClient, CacheError, CacheStats, EmbedCache,
     EmbedCacheClient, ItemDigest, ItemInfo, ItemKey, ItemRecord, Modality, PinState,
 };
-pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats};
+pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats, ItemTiming};
 pub use engine::{
     Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, MropePrompt, OutputEvent,
-    SamplingParams, TokenLogprobs,
+    RequestTiming, SamplingParams, TokenLogprobs,
 };
 
 /// Virtual token ids of media items start here, far above any vocabulary, and are

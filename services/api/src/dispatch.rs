@@ -52,6 +52,7 @@ impl Dispatcher {
                 logprobs: None,
                 text: String::new(),
                 finish: Some(FinishReason::Retry(reason.to_string())),
+                timing: None,
             });
         }
     }

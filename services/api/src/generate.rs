@@ -374,7 +374,8 @@ async fn reserve(
     }
     if !missing.is_empty() {
         let te = state.timeouts.encode;
-        rpc("encoder", state.encoder.encode(deadline(te), missing).await)??;
+        let timings = rpc("encoder", state.encoder.encode(deadline(te), missing).await)??;
+        crate::metrics::encoded(&timings);
     }
     Ok((instance, records))
 }

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod http;
 pub mod load;
 pub mod media;
+pub mod metrics;
 pub mod openai;
 pub mod prompt;
 pub mod routes;

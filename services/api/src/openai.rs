@@ -197,6 +197,8 @@ pub struct Usage {
 
 #[derive(Debug, Serialize)]
 pub struct PromptDetails {
+    /// Prompt tokens whose keys and values came from the prefix cache (OpenAI's field).
+    pub cached_tokens: u64,
     pub image_tokens: u64,
     pub audio_tokens: u64,
 }

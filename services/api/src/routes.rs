@@ -2,8 +2,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
@@ -19,8 +18,10 @@ use tokio::sync::mpsc;
 
 use crate::error::ApiError;
 use crate::generate::{Started, start};
+use crate::metrics::{self as m, ChoiceMeter};
 use crate::openai::*;
-use crate::state::{AppState, Metrics};
+use crate::state::AppState;
+use metrics::counter;
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize, keys: crate::auth::ApiKeys) -> Router {
     let chat = move |State(state): State<Arc<AppState>>, body: Body| chat(state, body, max_body_bytes);
@@ -73,27 +74,28 @@ fn now() -> u64 {
 }
 
 fn finish_name(r: &FinishReason) -> &'static str {
-    match r {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Abort => "abort",
-        FinishReason::Error(_) | FinishReason::Retry(_) => "error",
-    }
+    m::reason_label(r)
 }
 
 async fn chat(state: Arc<AppState>, body: Body, max_body_bytes: usize) -> Response {
-    Metrics::add(&state.metrics.requests, 1);
-    let result = chat_inner(&state, body, max_body_bytes).await;
+    let arrived = Instant::now();
+    counter!(m::REQUESTS).increment(1);
+    let result = chat_inner(&state, body, max_body_bytes, arrived).await;
     result.unwrap_or_else(|e| {
-        Metrics::add(&state.metrics.failed, 1);
+        counter!(m::FAILED).increment(1);
         if matches!(e, ApiError::Overloaded { .. }) {
-            Metrics::add(&state.metrics.shed, 1);
+            counter!(m::SHED).increment(1);
         }
         e.into_response()
     })
 }
 
-async fn chat_inner(state: &Arc<AppState>, body: Body, max_body_bytes: usize) -> Result<Response, ApiError> {
+async fn chat_inner(
+    state: &Arc<AppState>,
+    body: Body,
+    max_body_bytes: usize,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
     // The body first (bounded by its timeout and size, and the connection cap), so that
     // clients sending slowly hold a connection, not a place in the queue; then shed load
     // before any work for the request.
@@ -108,13 +110,15 @@ async fn chat_inner(state: &Arc<AppState>, body: Body, max_body_bytes: usize) ->
         Ok(_) => {}
     }
     let started = start(state, &req, queued).await?;
-    Metrics::add(&state.metrics.prompt_tokens, started.prompt_ids.len() as u64);
+    counter!(m::PROMPT_TOKENS_TOTAL).increment(started.prompt_ids.len() as u64);
     let id = format!("chatcmpl-{:x}", state.new_request_id());
+    let meters =
+        (0..started.choices.len()).map(|_| ChoiceMeter::new(arrived, started.prompt_ids.len() as u64)).collect();
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(stream(state.clone(), started, id, include_usage, req.return_token_ids).into_response())
+        Ok(stream(state.clone(), started, meters, id, include_usage, req.return_token_ids).into_response())
     } else {
-        collect(state, started, id, req.return_token_ids).await.map(|c| axum::Json(c).into_response())
+        collect(state, started, meters, id, req.return_token_ids).await.map(|c| axum::Json(c).into_response())
     }
 }
 
@@ -132,13 +136,19 @@ async fn next_event(
     }
 }
 
-fn usage(started: &Started, completion: u64) -> Usage {
+/// `cached`: the first choice's prompt tokens from the prefix cache (siblings fork its
+/// prompt).
+fn usage(started: &Started, completion: u64, cached: u64) -> Usage {
     let prompt = started.prompt_ids.len() as u64;
     Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
         total_tokens: prompt + completion,
-        prompt_tokens_details: PromptDetails { image_tokens: started.image_tokens, audio_tokens: started.audio_tokens },
+        prompt_tokens_details: PromptDetails {
+            cached_tokens: cached,
+            image_tokens: started.image_tokens,
+            audio_tokens: started.audio_tokens,
+        },
     }
 }
 
@@ -173,13 +183,14 @@ fn token_logprob(state: &AppState, token: u32, lp: &mmserve_protocol::TokenLogpr
 async fn collect(
     state: &AppState,
     mut started: Started,
+    mut meters: Vec<ChoiceMeter>,
     id: String,
     return_ids: bool,
 ) -> Result<ChatCompletion, ApiError> {
     let mut choices = Vec::with_capacity(started.choices.len());
-    let mut completion = 0u64;
+    let (mut completion, mut cached) = (0u64, 0u64);
     let mut streams = std::mem::take(&mut started.choices);
-    for (index, (request_id, events)) in streams.iter_mut().enumerate() {
+    for (index, ((request_id, events), meter)) in streams.iter_mut().zip(&mut meters).enumerate() {
         let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), None::<Logprobs>);
         let finish = loop {
             let ev = next_event(state, events).await?;
@@ -187,9 +198,16 @@ async fn collect(
             if let (Some(t), Some(lp)) = (ev.token_id, &ev.logprobs) {
                 logprobs.get_or_insert_with(Logprobs::default).content.push(token_logprob(state, t, lp));
             }
+            if ev.token_id.is_some() {
+                meter.token();
+            }
             tokens.extend(ev.token_id);
             text.push_str(&ev.text);
             if let Some(f) = ev.finish {
+                meter.end(&f, ev.timing.as_ref());
+                if index == 0 {
+                    cached = ev.timing.map_or(0, |t| t.cached_tokens);
+                }
                 break f;
             }
         };
@@ -208,14 +226,13 @@ async fn collect(
             token_ids: return_ids.then_some(tokens),
         });
     }
-    Metrics::add(&state.metrics.generation_tokens, completion);
     Ok(ChatCompletion {
         id,
         object: "chat.completion",
         created: now(),
         model: state.model_name.clone(),
         choices,
-        usage: usage(&started, completion),
+        usage: usage(&started, completion, cached),
         prompt_token_ids: return_ids.then(|| started.prompt_ids.clone()),
     })
 }
@@ -228,6 +245,10 @@ struct StreamState {
     events: futures::stream::SelectAll<futures::stream::BoxStream<'static, (usize, OutputEvent)>>,
     /// The engine request id of each choice.
     choice_ids: Vec<u64>,
+    /// Each choice's metrics (dropped with the stream: an unfinished one is an abort).
+    meters: Vec<ChoiceMeter>,
+    /// The first choice's prompt tokens from the prefix cache, once it ends.
+    cached: u64,
     /// Choices not finished yet.
     open: usize,
     id: String,
@@ -269,6 +290,7 @@ struct ChunkExtra {
 fn stream(
     state: Arc<AppState>,
     mut started: Started,
+    meters: Vec<ChoiceMeter>,
     id: String,
     include_usage: bool,
     return_ids: bool,
@@ -288,6 +310,8 @@ fn stream(
         started,
         events,
         choice_ids: ids,
+        meters,
+        cached: 0,
         open,
         id,
         created: now(),
@@ -343,7 +367,9 @@ impl StreamState {
         self.started.guard.first_token();
         if ev.token_id.is_some() {
             self.completion += 1;
-            Metrics::add(&self.state.metrics.generation_tokens, 1);
+            if let Some(m) = self.meters.get_mut(index) {
+                m.token();
+            }
         }
         let extra = ChunkExtra {
             logprobs: match (ev.token_id, &ev.logprobs) {
@@ -353,12 +379,19 @@ impl StreamState {
             token_ids: self.return_ids.then(|| ev.token_id.into_iter().collect()),
         };
         let Some(reason) = ev.finish else {
+            // (an event without a finish: the meter saw its token above)
             if !ev.text.is_empty() || extra.logprobs.is_some() || self.return_ids {
                 let frame = self.chunk(index, Delta { role: None, content: Some(ev.text) }, None, extra);
                 self.pending.push_back(frame);
             }
             return;
         };
+        if let Some(m) = self.meters.get_mut(index) {
+            m.end(&reason, ev.timing.as_ref());
+        }
+        if index == 0 {
+            self.cached = ev.timing.map_or(0, |t| t.cached_tokens);
+        }
         if let Some(err) = finish_error(&reason) {
             // The guard aborts every choice when the stream ends.
             self.pending.push_back(Event::default().data(err.body().to_string()));
@@ -382,7 +415,7 @@ impl StreamState {
                 created: self.created,
                 model: self.state.model_name.clone(),
                 choices: Vec::new(),
-                usage: Some(usage(&self.started, self.completion)),
+                usage: Some(usage(&self.started, self.completion, self.cached)),
             };
             self.pending.push_back(Event::default().data(serde_json::to_string(&c).unwrap_or_default()));
         }
@@ -429,82 +462,15 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
-/// Prometheus text format.
+/// Prometheus text format: the other services' figures as of now, then the recorder's
+/// rendering (see [`crate::metrics`] and `docs/metrics.md`).
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    use std::fmt::Write;
     let t = state.timeouts.health;
     let (c, e, g) = tokio::join!(
         state.cache.call(|c| async move { c.stats(deadline(t)).await }),
         state.encoder.stats(deadline(t)),
         state.engine.info(deadline(t))
     );
-    let mut out = String::new();
-    let mut line = |name: &str, kind: &str, help: &str, v: u64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
-    };
-    let m = &state.metrics;
-    line("mmserve_requests_total", "counter", "Chat completion requests received.", m.requests.load(Ordering::Relaxed));
-    let (queued, queued_tokens) = state.load.queued();
-    line("mmserve_queued_requests", "gauge", "Requests waiting for their first token.", queued as u64);
-    line("mmserve_queued_prompt_tokens", "gauge", "Prompt tokens of the requests waiting.", queued_tokens);
-    line(
-        "mmserve_requests_shed_total",
-        "counter",
-        "Requests refused with 429 (queue full).",
-        m.shed.load(Ordering::Relaxed),
-    );
-    line(
-        "mmserve_requests_failed_total",
-        "counter",
-        "Requests answered with an error.",
-        m.failed.load(Ordering::Relaxed),
-    );
-    line(
-        "mmserve_prompt_tokens_total",
-        "counter",
-        "Prompt tokens, expanded media included.",
-        m.prompt_tokens.load(Ordering::Relaxed),
-    );
-    line(
-        "mmserve_generation_tokens_total",
-        "counter",
-        "Generated tokens.",
-        m.generation_tokens.load(Ordering::Relaxed),
-    );
-    if let Ok(s) = c {
-        line("mmserve_embed_cache_hits_total", "counter", "Items found in the embed cache.", s.hits);
-        line("mmserve_embed_cache_misses_total", "counter", "Items added to the embed cache.", s.misses);
-        line("mmserve_embed_cache_evictions_total", "counter", "Items evicted from the embed cache.", s.evictions);
-        line("mmserve_embed_cache_items", "gauge", "Items in the embed cache.", s.items);
-        line("mmserve_embed_cache_slots_used", "gauge", "Embedding slots in use.", s.slots_used);
-        line("mmserve_embed_cache_slots_total", "gauge", "Embedding slots in the arena.", s.slots_total);
-        line("mmserve_embed_cache_references", "gauge", "References held by requests in flight.", s.references);
-        line("mmserve_embed_cache_waiting", "gauge", "Requests waiting for cache capacity.", s.waiting);
-    }
-    if let Ok(s) = e {
-        line("mmserve_encoder_items_total", "counter", "Items run through the encoder tower.", s.items_encoded);
-        line("mmserve_encoder_batches_total", "counter", "Encoder tower forwards.", s.batches);
-    }
-    if let Ok(s) = g {
-        line("mmserve_running_requests", "gauge", "Requests decoding in the engine.", s.running);
-        line("mmserve_waiting_requests", "gauge", "Requests waiting for the engine.", s.waiting);
-        line(
-            "mmserve_prefix_cache_hit_tokens_total",
-            "counter",
-            "Prompt tokens whose KV came from the prefix cache.",
-            s.prefix_cache_hit_tokens,
-        );
-        line("mmserve_preemptions_total", "counter", "Requests preempted for lack of KV blocks.", s.preemptions);
-        line("mmserve_kv_blocks_used", "gauge", "KV blocks held by running requests.", s.kv_blocks_used);
-        line("mmserve_kv_blocks_total", "gauge", "KV blocks in the pool.", s.kv_blocks_total);
-        line("mmserve_prefill_tokens_total", "counter", "Prompt tokens computed by the engine.", s.prefill_tokens);
-        line("mmserve_forks_total", "counter", "Choices started from a sibling's prompt.", s.forks);
-        line("mmserve_engine_steps_total", "counter", "Model steps of the engine.", s.steps);
-        let mut seconds = |name: &str, help: &str, v: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        };
-        seconds("mmserve_engine_schedule_seconds_total", "Time the engine spent scheduling.", s.schedule_seconds);
-        seconds("mmserve_engine_step_seconds_total", "Time the engine spent in steps.", s.step_seconds);
-    }
-    ([("content-type", "text/plain; version=0.0.4")], out).into_response()
+    m::refresh(c.as_ref().ok(), e.as_ref().ok(), g.as_ref().ok(), state.load.queued());
+    ([("content-type", "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }

@@ -37,7 +37,8 @@ pub struct AppState {
     /// This api process's id at the engine (the high bits of its request ids).
     pub client_id: u64,
     next_request: AtomicU64,
-    pub metrics: Metrics,
+    /// Renders `/metrics` (the process's recorder, see [`crate::metrics`]).
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     pub timeouts: Timeouts,
     pub load: Arc<LoadGate>,
     /// Set when clients' text is read as plain text (`--special-tokens-in-content text`).
@@ -61,22 +62,6 @@ pub struct Timeouts {
     pub body: std::time::Duration,
 }
 
-#[derive(Default)]
-pub struct Metrics {
-    pub requests: AtomicU64,
-    pub failed: AtomicU64,
-    /// Refused with 429 before any work.
-    pub shed: AtomicU64,
-    pub prompt_tokens: AtomicU64,
-    pub generation_tokens: AtomicU64,
-}
-
-impl Metrics {
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
-    }
-}
-
 impl AppState {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -94,6 +79,7 @@ impl AppState {
         timeouts: Timeouts,
     ) -> Self {
         let client_id = u64::from(std::process::id());
+        let metrics = crate::metrics::install(&model_name, max_model_len);
         AppState {
             model_name,
             tokenizer,
@@ -111,7 +97,7 @@ impl AppState {
             dispatcher: Arc::new(Dispatcher::default()),
             client_id,
             next_request: AtomicU64::new(1),
-            metrics: Metrics::default(),
+            metrics,
             timeouts,
             load,
             literal_marks: None,

@@ -29,6 +29,8 @@ pub(crate) struct Prepared {
     pub(crate) item: EncodeItem,
     pub(crate) input: Input,
     pub(crate) view: Arc<ArenaView>,
+    /// Seconds its decoding and preprocessing took.
+    pub(crate) preprocess_s: f64,
 }
 
 pub(crate) struct Prep {
@@ -71,7 +73,7 @@ impl Prep {
                     let gone = "the item left the embed cache before it was encoded; retry the request";
                     self.shared.finish(item.id, Err(ItemFailure::Gone(gone.into())));
                 }
-                PinState::Ready => self.shared.finish(item.id, Ok(())),
+                PinState::Ready => self.shared.finish(item.id, Ok(None)),
                 PinState::Pinned => self.prepare(item, out).await,
             }
         }
@@ -100,14 +102,16 @@ impl Prep {
                 let (offset, len, bounds) = (item.data_offset, item.data_len, item.pixel_bounds);
                 tokio::task::spawn_blocking(move || {
                     let _thread = thread;
+                    let start = std::time::Instant::now();
                     let bytes = view.read_data(offset, len).map_err(|e| ItemFailure::Internal(e.to_string()))?;
-                    preparer.prepare(&bytes, bounds).map_err(ItemFailure::Bad)
+                    let input = preparer.prepare(&bytes, bounds).map_err(ItemFailure::Bad)?;
+                    Ok((input, start.elapsed().as_secs_f64()))
                 })
             };
             let (item, failure) = match job.await {
-                Ok(Ok(input)) => {
+                Ok(Ok((input, preprocess_s))) => {
                     preparing.fetch_sub(1, Ordering::AcqRel);
-                    match out.send(Some(Prepared { item, input, view })).await {
+                    match out.send(Some(Prepared { item, input, view, preprocess_s })).await {
                         Ok(()) => return,
                         Err(mpsc::error::SendError(p)) => {
                             let p = p.expect("sent an item");

@@ -8,7 +8,7 @@ use std::time::Duration;
 use mmserve_arena::ArenaMap;
 use mmserve_config::ModelDir;
 use mmserve_protocol::reconnect::CacheConnection;
-use mmserve_protocol::{EncodeItem, Encoder, EncoderError, EncoderStats, deadline};
+use mmserve_protocol::{EncodeItem, Encoder, EncoderError, EncoderStats, ItemTiming, deadline};
 use tarpc::context::Context;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
@@ -27,8 +27,9 @@ pub(crate) enum ItemFailure {
     Internal(String),
 }
 
-/// Result of one item, shared with every request waiting on it.
-pub(crate) type ItemResult = Result<(), ItemFailure>;
+/// Result of one item, shared with every request waiting on it: its timing when the
+/// tower ran it, `None` when it was ready already.
+pub(crate) type ItemResult = Result<Option<ItemTiming>, ItemFailure>;
 
 pub(crate) struct Shared {
     /// Items queued or being encoded → the requests waiting for them.
@@ -109,14 +110,14 @@ impl EncoderService {
 }
 
 impl EncoderService {
-    async fn encode_inner(&self, todo: Vec<EncodeItem>) -> Result<(), EncoderError> {
+    async fn encode_inner(&self, todo: Vec<EncodeItem>) -> Result<Vec<ItemTiming>, EncoderError> {
         let cache_err = |e: mmserve_protocol::CacheError| match e {
             mmserve_protocol::CacheError::Timeout(ms) => EncoderError::Timeout(ms),
             other => EncoderError::Unavailable(other.to_string()),
         };
         let t = self.timeout;
         if todo.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         // The request that created an item may still be writing its bytes: wait here, so
         // the worker only ever gets items it can read. (Items whose embeddings are ready
@@ -129,31 +130,37 @@ impl EncoderService {
             .map_err(|e| EncoderError::Unavailable(e.to_string()))?
             .map_err(cache_err)?;
 
+        // (the item's result, whether this call queued it: only then are its timings ours)
         let mut waits = Vec::with_capacity(todo.len());
         for item in todo {
             let (tx, rx) = oneshot::channel();
-            waits.push(rx);
-            let Some(tx) = self.join_inflight(item.id, tx) else { continue };
+            let Some(tx) = self.join_inflight(item.id, tx) else {
+                waits.push((rx, false));
+                continue;
+            };
             // Reserve room in the queue before registering, so that nothing can be
             // cancelled between registering an item and queueing its job.
             let permit = self.queue.reserve().await.map_err(|_| EncoderError::Internal("the worker stopped".into()))?;
             let mut inflight = self.shared.inflight.lock().unwrap_or_else(|p| p.into_inner());
             let waiters = inflight.entry(item.id).or_default();
             waiters.push(tx);
-            if waiters.len() == 1 {
+            let queued = waiters.len() == 1;
+            if queued {
                 permit.send(Job { item });
             }
+            waits.push((rx, queued));
         }
-        for rx in waits {
+        let mut timings = Vec::new();
+        for (rx, queued) in waits {
             match rx.await {
-                Ok(Ok(())) => {}
+                Ok(Ok(timing)) => timings.extend(timing.filter(|_| queued)),
                 Ok(Err(ItemFailure::Bad(message))) => return Err(EncoderError::BadItem { index: 0, message }),
                 Ok(Err(ItemFailure::Gone(message))) => return Err(EncoderError::Unavailable(message)),
                 Ok(Err(ItemFailure::Internal(message))) => return Err(EncoderError::Internal(message)),
                 Err(_) => return Err(EncoderError::Internal("the encoder worker dropped an item".into())),
             }
         }
-        Ok(())
+        Ok(timings)
     }
 }
 
@@ -173,7 +180,7 @@ impl EncoderService {
 }
 
 impl Encoder for EncoderService {
-    async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<(), EncoderError> {
+    async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<Vec<ItemTiming>, EncoderError> {
         let timeout_ms = self.timeout.as_millis() as u64;
         tokio::time::timeout(self.timeout, self.encode_inner(items))
             .await

@@ -10,7 +10,7 @@ use candle_core::Device;
 use mmserve_arena::ArenaView;
 use mmserve_ops::ArenaRows;
 use mmserve_protocol::reconnect::CacheConnection;
-use mmserve_protocol::{EncodeItem, deadline};
+use mmserve_protocol::{EncodeItem, ItemTiming, deadline};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
@@ -89,9 +89,12 @@ impl Worker {
     /// One tower forward for items of one cache instance; every pin is released after.
     fn encode(&mut self, batch: Vec<Prepared>, rt: &Handle) {
         let view = batch[0].view.clone();
+        let preprocess: Vec<f64> = batch.iter().map(|p| p.preprocess_s).collect();
         let (items, inputs): (Vec<EncodeItem>, Vec<Input>) = batch.into_iter().map(|p| (p.item, p.input)).unzip();
         let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
+        let start = std::time::Instant::now();
         let result = self.remap(view).and_then(|()| self.run_tower(&items, inputs));
+        let tower_s = start.elapsed().as_secs_f64();
         let ready = if result.is_ok() { ids.clone() } else { Vec::new() };
         let t = self.timeout;
         let told = rt.block_on(self.cache.call(|c| async move { c.encoded(deadline(t), ready, ids).await }));
@@ -102,7 +105,9 @@ impl Worker {
                 stats.batches += 1;
                 stats.largest_batch = stats.largest_batch.max(items.len() as u64);
                 drop(stats);
-                items.iter().for_each(|i| self.shared.finish(i.id, Ok(())));
+                for (item, preprocess_s) in items.iter().zip(preprocess) {
+                    self.shared.finish(item.id, Ok(Some(ItemTiming { preprocess_s, tower_s })));
+                }
             }
             (Err(f), _) => self.fail_all(&items, f),
             (Ok(()), Ok(Err(e))) => self.fail_all(&items, internal(e)),

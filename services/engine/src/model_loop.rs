@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use mmserve_arena::ArenaView;
 use mmserve_models::MropePositions;
-use mmserve_protocol::{FinishReason, GenerateRequest};
+use mmserve_protocol::{FinishReason, GenerateRequest, RequestTiming};
 
 use crate::output::{Detok, OutputProcessor};
 use crate::runner::{Batch, BatchSeq, ModelRunner};
@@ -33,6 +33,51 @@ pub struct SeqState {
     pub detok: Detok,
     /// The prompt's multimodal positions (Qwen-VL), as the model takes them.
     pub mrope: Option<MropePositions>,
+    pub clock: SeqClock,
+}
+
+/// When a sequence arrived, was first scheduled and gave its first token: the
+/// [`RequestTiming`] its last event carries.
+pub struct SeqClock {
+    arrived: Instant,
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    cached_tokens: u64,
+}
+
+impl SeqClock {
+    pub fn new() -> Self {
+        SeqClock { arrived: Instant::now(), scheduled: None, first_token: None, cached_tokens: 0 }
+    }
+
+    /// In a step's plan with `computed` tokens already in the pool: the first time, those
+    /// came from the prefix cache.
+    fn scheduled(&mut self, now: Instant, computed: usize) {
+        if self.scheduled.is_none() {
+            self.scheduled = Some(now);
+            self.cached_tokens = computed as u64;
+        }
+    }
+
+    /// A token was chosen; a choice forked from a sibling was never planned itself: its
+    /// whole prompt came from the sibling.
+    fn token(&mut self, now: Instant, prompt_len: usize) -> RequestTiming {
+        self.scheduled(now, prompt_len);
+        let first = *self.first_token.get_or_insert(now);
+        let scheduled = self.scheduled.unwrap_or(now);
+        RequestTiming {
+            queued_s: (scheduled - self.arrived).as_secs_f64(),
+            prefill_s: (first - scheduled).as_secs_f64(),
+            decode_s: (now - first).as_secs_f64(),
+            cached_tokens: self.cached_tokens,
+        }
+    }
+}
+
+impl Default for SeqClock {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 pub struct ModelLoop<R> {
@@ -90,7 +135,7 @@ impl<R: ModelRunner> ModelLoop<R> {
                     let detok = Detok::new(&req);
                     let mrope =
                         req.positions.as_ref().map(|p| MropePositions { prompt: p.streams.clone(), delta: p.delta });
-                    self.sched.submit(Seq::new(req, SeqState { sampling, detok, mrope }));
+                    self.sched.submit(Seq::new(req, SeqState { sampling, detok, mrope, clock: SeqClock::new() }));
                 }
             }
             Command::Remap(view) => {
@@ -133,6 +178,12 @@ impl<R: ModelRunner> ModelLoop<R> {
             .iter()
             .map(|p| p.n.min(running[p.index].req.prompt_ids.len().saturating_sub(running[p.index].computed())))
             .sum();
+        let now = Instant::now();
+        for p in &plan {
+            let seq = &mut self.sched.running_mut()[p.index];
+            let computed = seq.computed();
+            seq.state.clock.scheduled(now, computed);
+        }
         let next = match self.forward(&plan) {
             Ok(next) => next,
             Err(message) => {
@@ -199,7 +250,9 @@ impl<R: ModelRunner> ModelLoop<R> {
         let (token, logprobs) = seq.state.sampling.choose(&seq.req.params, next);
         seq.output.push(token);
         let stop_token = seq.state.sampling.stop_ids.contains(&token);
-        self.output.token(&seq.req, &mut seq.state.detok, token, logprobs, seq.output.len(), stop_token)
+        let timing = seq.state.clock.token(Instant::now(), seq.req.prompt_ids.len());
+        let step = crate::output::Step { token, logprobs, generated: seq.output.len(), stop_token, timing };
+        self.output.token(&seq.req, &mut seq.state.detok, step)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent, TokenLogprobs};
+use mmserve_protocol::{FinishReason, GenerateRequest, OutputEvent, RequestTiming, TokenLogprobs};
 use mmserve_text::{IncrementalDecoder, TextTokenizer};
 
 use crate::outbox::Outbox;
@@ -25,23 +25,28 @@ impl Detok {
     }
 }
 
+/// A chosen token and what comes with it.
+pub struct Step {
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+    /// Output tokens so far, this one included.
+    pub generated: usize,
+    /// The token is one of the request's stop ids.
+    pub stop_token: bool,
+    /// The request's time in the engine so far (sent if this token ends it).
+    pub timing: RequestTiming,
+}
+
 pub struct OutputProcessor {
     pub tokenizer: TextTokenizer,
     pub outbox: Arc<Outbox>,
 }
 
 impl OutputProcessor {
-    /// Publishes `token`, the `generated`-th output token of `req` (`stop_token`: it is
-    /// one of the request's stop ids). Returns whether the request finished.
-    pub fn token(
-        &self,
-        req: &GenerateRequest,
-        detok: &mut Detok,
-        token: u32,
-        logprobs: Option<TokenLogprobs>,
-        generated: usize,
-        stop_token: bool,
-    ) -> bool {
+    /// Publishes `step`'s token, the `generated`-th output token of `req`. Returns whether
+    /// the request finished.
+    pub fn token(&self, req: &GenerateRequest, detok: &mut Detok, step: Step) -> bool {
+        let Step { token, logprobs, generated, stop_token, timing } = step;
         let mut finish = if stop_token {
             Some(FinishReason::Stop)
         } else if generated >= req.params.max_tokens as usize {
@@ -66,8 +71,9 @@ impl OutputProcessor {
             }
         }
         let done = finish.is_some();
-        self.outbox
-            .push(req.client, [OutputEvent { request_id: req.id, token_id: Some(token), logprobs, text, finish }]);
+        let timing = done.then_some(timing);
+        let event = OutputEvent { request_id: req.id, token_id: Some(token), logprobs, text, finish, timing };
+        self.outbox.push(req.client, [event]);
         done
     }
 
@@ -79,6 +85,7 @@ impl OutputProcessor {
             logprobs: None,
             text: String::new(),
             finish: Some(reason),
+            timing: None,
         };
         self.outbox.push(req.client, [event]);
     }

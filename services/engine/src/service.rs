@@ -189,6 +189,7 @@ impl Engine for EngineService {
             preemptions: self.counts.preemptions.load(Ordering::Relaxed),
             kv_blocks_used: self.counts.blocks_used.load(Ordering::Relaxed),
             kv_blocks_total: self.counts.blocks_total.load(Ordering::Relaxed),
+            kv_block_size: self.block_size as u64,
             prefill_tokens: self.counts.prefill_tokens.load(Ordering::Relaxed),
             forks: self.counts.forks.load(Ordering::Relaxed),
             steps: self.counts.steps.load(Ordering::Relaxed),
