@@ -11,6 +11,7 @@ mod cache_cli;
 mod caption;
 mod config;
 mod embedded;
+mod logging;
 mod preprocess;
 mod prom;
 mod serve;
@@ -26,6 +27,9 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as text, or as one JSON object each (filter with `MMSERVE_LOG`).
+    #[arg(long, env = "MMSERVE_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    log_format: logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -52,14 +56,8 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MMSERVE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let (cli, settings) = parse()?;
+    logging::init(cli.log_format);
     keep_freed_memory();
     // The cache decides everything under one lock in microseconds: one thread serves it
     // best (no work stealing, no lock handoffs between threads). The others use all cores.

@@ -157,7 +157,7 @@ pub async fn run(args: ServeArgs, settings: Settings) -> anyhow::Result<()> {
     let mut exited: Vec<&'static str> = Vec::new();
     let outcome = match started {
         None => {
-            eprintln!("mmserve: shutting down");
+            tracing::info!("shutting down");
             Ok(())
         }
         Some(Err(e)) => Err(e),
@@ -165,7 +165,7 @@ pub async fn run(args: ServeArgs, settings: Settings) -> anyhow::Result<()> {
             println!("mmserve: serving {} at {url}", dir.name);
             tokio::select! {
                 _ = &mut shutdown => {
-                    eprintln!("mmserve: shutting down");
+                    tracing::info!("shutting down");
                     Ok(())
                 }
                 Some((name, status)) = exit_rx.recv() => {
@@ -291,7 +291,11 @@ async fn start_one(
             cmd.env_remove(key);
         }
     }
+    cmd.env("MMSERVE_LOG_FORMAT", crate::logging::format().name());
     cmd.envs(env.iter().map(|(k, v)| (k, v)));
+    // Its own process group: a terminal's Ctrl-C reaches `serve` alone, which stops the
+    // children in order (the api first), instead of every process at once.
+    cmd.process_group(0);
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it asks the
     // kernel to SIGTERM the child when `serve` dies, so no child outlives a killed supervisor.
     unsafe {

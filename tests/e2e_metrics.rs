@@ -98,3 +98,88 @@ async fn every_documented_series_is_exported_and_histograms_count_the_requests()
     assert!(text.contains("mmserve_cache_config_info{model_name=\"llava-tiny\",block_size=\""), "{text}");
     server.stop();
 }
+
+/// Request ids and logs: `x-request-id` echoes the client's id (else the completion id),
+/// error bodies carry it, one JSON access-log line per request names it with its counts,
+/// the encoder's log line about a request's failure names it too, and a clean shutdown
+/// logs no error.
+#[tokio::test]
+async fn request_ids_reach_responses_errors_and_every_services_logs() {
+    let dir = tempfile_dir("request-ids");
+    let log_path = dir.join("stderr.jsonl");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let env = [("MMSERVE_LOG", "info"), ("MMSERVE_LOG_FORMAT", "json")];
+    let server = Server::start_with(&llava_dir(), &[], &env, log.into());
+    let url = format!("{}/v1/chat/completions", server.url);
+    let body = image_request(&data_url(&fixture_png()), false);
+
+    let r = server.http.post(&url).header("x-request-id", "client-id-7").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-request-id"], "client-id-7");
+    let v: Value = r.json().await.unwrap();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
+
+    let r = server.http.post(&url).json(&body).send().await.unwrap();
+    let header = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["id"], header.as_str(), "without a client id, the completion id");
+
+    // A 400 from the api, and one from the encoder (a PNG whose header is fine and whose
+    // data is not): both bodies name the request.
+    let mut bad = body.clone();
+    bad["temperature"] = json!(-1);
+    let r = server.http.post(&url).header("x-request-id", "bad-param-1").json(&bad).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["request_id"], "bad-param-1");
+    let mut png = fixture_png();
+    let keep = png.len() / 3;
+    png.truncate(keep);
+    let truncated = image_request(&data_url(&png), false);
+    let r = server.http.post(&url).header("x-request-id", "bad-image-2").json(&truncated).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["request_id"], "bad-image-2");
+    // Unknown routes too.
+    let r = server.http.get(format!("{}/v1/nothing", server.url)).header("x-request-id", "nowhere").send().await;
+    let r = r.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.headers()["x-request-id"], "nowhere");
+    server.stop();
+
+    let lines: Vec<Value> = std::fs::read_to_string(&log_path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON log line ({e}): {l}")))
+        .collect();
+    let access = |id: &str| {
+        lines
+            .iter()
+            .find(|l| l["target"] == "mmserve::access" && l["fields"]["id"] == id)
+            .unwrap_or_else(|| panic!("no access line for {id} in {lines:#?}"))
+    };
+    let ok = &access("client-id-7")["fields"];
+    assert_eq!(ok["status"], 200, "{ok}");
+    assert_eq!(ok["completion_tokens"], 8, "{ok}");
+    assert_eq!(ok["image_tokens"], 16, "{ok}");
+    assert_eq!(ok["prompt_tokens"], 45, "{ok}");
+    assert_eq!(ok["finish_reason"], "length", "{ok}");
+    assert_eq!(ok["embed_misses"], 1, "{ok}");
+    assert!(ok["ttft_ms"].as_f64().unwrap() <= ok["latency_ms"].as_f64().unwrap(), "{ok}");
+    assert!(ok["client"].as_str().unwrap().starts_with("127.0.0.1:"), "{ok}");
+    assert_eq!(access(&header)["fields"]["embed_hits"], 1);
+    assert_eq!(access("bad-param-1")["fields"]["status"], 400);
+    // The encoder's own line about the failed item names the request.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["request_id"] == "bad-image-2" && l["target"].as_str().unwrap().contains("encoder")),
+        "{lines:#?}"
+    );
+    let errors: Vec<&Value> = lines.iter().filter(|l| l["level"] == "ERROR").collect();
+    assert!(errors.is_empty(), "errors logged: {errors:#?}");
+}
+
+fn tempfile_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("mmserve-test-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

@@ -43,6 +43,11 @@ impl Server {
     }
 
     pub fn start_model(model: &std::path::Path, extra: &[&str]) -> Server {
+        Self::start_with(model, extra, &[("MMSERVE_LOG", "warn")], Stdio::inherit())
+    }
+
+    /// With these variables set and stderr going to `stderr`.
+    pub fn start_with(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)], stderr: Stdio) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_mmserve"))
             .arg("serve")
             .arg("--port")
@@ -50,9 +55,9 @@ impl Server {
             .arg("--model")
             .arg(model)
             .args(extra)
-            .env("MMSERVE_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawning mmserve serve");
         let stdout = child.stdout.take().unwrap();

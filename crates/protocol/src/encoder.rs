@@ -58,6 +58,7 @@ pub trait Encoder {
     /// Resolves once every item's embedding rows are in the arena and marked ready.
     /// Items already ready, or being encoded for another request, are not encoded again.
     /// Returns the timings of the items this call had encoded (none for the others).
-    async fn encode(items: Vec<EncodeItem>) -> Result<Vec<ItemTiming>, EncoderError>;
+    /// `request_id`: the client-facing id of the request asking (for log lines).
+    async fn encode(request_id: String, items: Vec<EncodeItem>) -> Result<Vec<ItemTiming>, EncoderError>;
     async fn stats() -> EncoderStats;
 }

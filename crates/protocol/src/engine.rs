@@ -82,6 +82,8 @@ pub struct GenerateRequest {
     /// Qwen-VL's multimodal rotary positions of the prompt (computed where the prompt is
     /// built); `None` for models whose positions are the token indexes.
     pub positions: Option<MropePrompt>,
+    /// The client-facing request id (`x-request-id`), for the engine's log lines.
+    pub request_id: String,
 }
 
 /// A prompt's M-RoPE positions: temporal, height and width ids per prompt token, and

@@ -12,9 +12,16 @@ use tokio::sync::mpsc;
 #[derive(Default)]
 pub struct Dispatcher {
     routes: Mutex<HashMap<u64, mpsc::UnboundedSender<OutputEvent>>>,
+    /// Set when the api shuts down: the engine going away then is expected, not an error.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 impl Dispatcher {
+    /// The api is shutting down: a failed poll from now on ends polling quietly.
+    pub fn close(&self) {
+        self.closing.store(true, std::sync::atomic::Ordering::Release);
+    }
+
     /// Call before submitting, so no event can arrive unrouted.
     pub fn register(&self, request_id: u64) -> mpsc::UnboundedReceiver<OutputEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -64,6 +71,10 @@ impl Dispatcher {
         loop {
             match engine.next_events(deadline(poll + rpc), client, poll.as_millis() as u64).await {
                 Ok(events) => self.route(events),
+                Err(_) if self.closing.load(std::sync::atomic::Ordering::Acquire) => {
+                    self.fail_all("the server is shutting down");
+                    return;
+                }
                 Err(e) => {
                     tracing::error!("engine event poll failed: {e}");
                     self.fail_all(&format!("the engine did not answer: {e}"));

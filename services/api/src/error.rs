@@ -55,8 +55,13 @@ impl ApiError {
         }
     }
 
-    /// The error object, also sent as an SSE frame when a stream fails.
+    /// The error object, with the id of the request being handled, if any.
     pub fn body(&self) -> serde_json::Value {
+        self.body_for(crate::access::current().as_deref())
+    }
+
+    /// The error object for request `id` (also sent as an SSE frame when a stream fails).
+    pub fn body_for(&self, id: Option<&str>) -> serde_json::Value {
         let (kind, code) = match self {
             ApiError::BadRequest { .. } => ("invalid_request_error", None),
             ApiError::PayloadTooLarge(_) => ("invalid_request_error", Some("payload_too_large")),
@@ -73,7 +78,12 @@ impl ApiError {
             ApiError::BadRequest { param, .. } => param.clone(),
             _ => None,
         };
-        serde_json::json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+        let mut body =
+            serde_json::json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}});
+        if let Some(id) = id {
+            body["error"]["request_id"] = id.into();
+        }
+        body
     }
 }
 

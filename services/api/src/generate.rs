@@ -78,6 +78,8 @@ pub struct Started {
     /// Prompt tokens that stand for images, and for audio.
     pub image_tokens: u64,
     pub audio_tokens: u64,
+    /// The request's items found in the embed cache, and those it added.
+    pub embed_hits_misses: (u64, u64),
 }
 
 fn rpc<T>(service: &'static str, r: Result<T, tarpc::client::RpcError>) -> Result<T, ApiError> {
@@ -211,7 +213,13 @@ pub fn sampling(
     Ok((params, n as usize))
 }
 
-pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued) -> Result<Started, ApiError> {
+/// `log_id`: the request's client-facing id, passed to the services for their logs.
+pub async fn start(
+    state: &Arc<AppState>,
+    req: &ChatRequest,
+    mut queued: Queued,
+    log_id: &str,
+) -> Result<Started, ApiError> {
     if let Some(model) = &req.model
         && model != &state.model_name
     {
@@ -268,7 +276,9 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
 
     let request_id = state.new_request_id();
     let mut guard = RequestGuard { state: state.clone(), running: Vec::new(), lease: None, queued };
-    let (cache_instance, records) = reserve(state, &items, &mut guard).await?;
+    let (cache_instance, records) = reserve(state, &items, &mut guard, log_id).await?;
+    let misses = records.iter().filter(|r| r.write_data).count() as u64;
+    let embed_hits_misses = (records.len() as u64 - misses, misses);
 
     let ranges: Vec<(u64, u32)> = records.iter().map(|r| (r.token_id, r.token_num)).collect();
     let prompt_ids = expand(&ids, state.item_token, &ranges)?;
@@ -305,6 +315,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
             params,
             sibling_of: (i > 0).then_some(request_id),
             positions: positions.clone(),
+            request_id: log_id.to_string(),
         };
         // Marked before the call: if this handler is dropped after the engine accepted the
         // request, the guard still aborts it (aborting an unknown id is harmless).
@@ -313,7 +324,7 @@ pub async fn start(state: &Arc<AppState>, req: &ChatRequest, mut queued: Queued)
         requests.push(request);
     }
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), requests).await)??;
-    Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens })
+    Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens, embed_hits_misses })
 }
 
 /// Reserves every item at once, writes the bytes of items this request created, and
@@ -323,6 +334,7 @@ async fn reserve(
     state: &AppState,
     items: &[MediaItem],
     guard: &mut RequestGuard,
+    log_id: &str,
 ) -> Result<(u64, Vec<ItemRecord>), ApiError> {
     if items.is_empty() {
         return Ok((0, Vec::new()));
@@ -374,7 +386,7 @@ async fn reserve(
     }
     if !missing.is_empty() {
         let te = state.timeouts.encode;
-        let timings = rpc("encoder", state.encoder.encode(deadline(te), missing).await)??;
+        let timings = rpc("encoder", state.encoder.encode(deadline(te), log_id.to_string(), missing).await)??;
         crate::metrics::encoded(&timings);
     }
     Ok((instance, records))

@@ -36,11 +36,11 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutd
             p = places.clone().acquire_owned() => p.expect("never closed"),
             _ = &mut shutdown => break,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => {
+                Ok((stream, peer)) => {
                     backoff = Duration::from_millis(10);
-                    stream
+                    (stream, peer)
                 }
                 Err(e) => {
                     // Out of descriptors, say: retrying at once would spin.
@@ -58,7 +58,15 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits, shutd
         if let Err(e) = stream.set_nodelay(true) {
             tracing::warn!("TCP_NODELAY: {e}");
         }
-        let service = TowerToHyperService::new(app.clone());
+        // Each request learns its peer (the access log's client address).
+        let peer = crate::access::ClientAddr(peer);
+        let service = TowerToHyperService::new(tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut r: axum::http::Request<hyper::body::Incoming>| {
+                r.extensions_mut().insert(peer);
+                r
+            },
+        ));
         let mut stop = stop_rx.clone();
         let grace = limits.shutdown_grace;
         tokio::spawn(async move {

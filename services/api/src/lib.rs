@@ -3,6 +3,7 @@
 //! Only this crate knows OpenAI JSON ([`openai`]); every error becomes an HTTP
 //! response in one place ([`error`]). A request's path is in [`generate`].
 
+pub mod access;
 pub mod auth;
 pub mod cpu;
 pub mod dispatch;
@@ -332,6 +333,11 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
 pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ApiServiceError> {
     let state = build_state(&args).await?;
     let dispatcher = state.dispatcher.clone();
+    let closing = state.dispatcher.clone();
+    let shutdown = async move {
+        shutdown.await;
+        closing.close();
+    };
     let (engine, client) = (state.engine.clone(), state.client_id);
     let (poll, rpc) = (secs(args.timeouts.engine_poll_s), secs(args.timeouts.rpc_timeout_s));
     tokio::spawn(async move { dispatcher.run(engine, client, poll, rpc).await });

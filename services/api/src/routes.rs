@@ -16,15 +16,19 @@ use futures::StreamExt;
 use mmserve_protocol::{FinishReason, OutputEvent, deadline};
 use tokio::sync::mpsc;
 
+use crate::access::{AccessLog, RequestIds};
 use crate::error::ApiError;
 use crate::generate::{Started, start};
 use crate::metrics::{self as m, ChoiceMeter};
 use crate::openai::*;
 use crate::state::AppState;
+use axum::Extension;
 use metrics::counter;
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize, keys: crate::auth::ApiKeys) -> Router {
-    let chat = move |State(state): State<Arc<AppState>>, body: Body| chat(state, body, max_body_bytes);
+    let chat = move |State(state): State<Arc<AppState>>, Extension(ids): Extension<RequestIds>, body: Body| {
+        chat(state, ids, body, max_body_bytes)
+    };
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat).fallback(method_not_allowed))
         .route("/v1/models", get(models).fallback(method_not_allowed))
@@ -34,6 +38,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize, keys: crate::auth::Ap
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/metrics", get(metrics).fallback(method_not_allowed))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), crate::access::request_id))
         .with_state(state)
 }
 
@@ -77,25 +82,30 @@ fn finish_name(r: &FinishReason) -> &'static str {
     m::reason_label(r)
 }
 
-async fn chat(state: Arc<AppState>, body: Body, max_body_bytes: usize) -> Response {
+async fn chat(state: Arc<AppState>, ids: RequestIds, body: Body, max_body_bytes: usize) -> Response {
     let arrived = Instant::now();
     counter!(m::REQUESTS).increment(1);
-    let result = chat_inner(&state, body, max_body_bytes, arrived).await;
+    let mut log = AccessLog::new(&ids, &state.model_name, arrived);
+    let result = chat_inner(&state, &ids, body, max_body_bytes, &mut log).await;
     result.unwrap_or_else(|e| {
         counter!(m::FAILED).increment(1);
         if matches!(e, ApiError::Overloaded { .. }) {
             counter!(m::SHED).increment(1);
         }
+        log.status = e.status().as_u16();
+        log.finish = Some("error");
         e.into_response()
     })
 }
 
 async fn chat_inner(
     state: &Arc<AppState>,
+    ids: &RequestIds,
     body: Body,
     max_body_bytes: usize,
-    arrived: Instant,
+    log: &mut AccessLog,
 ) -> Result<Response, ApiError> {
+    let arrived = log.arrived();
     // The body first (bounded by its timeout and size, and the connection cap), so that
     // clients sending slowly hold a connection, not a place in the queue; then shed load
     // before any work for the request.
@@ -109,16 +119,20 @@ async fn chat_inner(
         Ok(unknown) if !unknown.is_empty() => tracing::warn!(fields = ?unknown, "ignoring unknown request fields"),
         Ok(_) => {}
     }
-    let started = start(state, &req, queued).await?;
+    let started = start(state, &req, queued, &ids.request).await?;
     counter!(m::PROMPT_TOKENS_TOTAL).increment(started.prompt_ids.len() as u64);
-    let id = format!("chatcmpl-{:x}", state.new_request_id());
+    log.prompt_tokens = started.prompt_ids.len() as u64;
+    (log.image_tokens, log.audio_tokens) = (started.image_tokens, started.audio_tokens);
+    (log.embed_hits, log.embed_misses) = started.embed_hits_misses;
+    let id = ids.completion.clone();
     let meters =
         (0..started.choices.len()).map(|_| ChoiceMeter::new(arrived, started.prompt_ids.len() as u64)).collect();
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        Ok(stream(state.clone(), started, meters, id, include_usage, req.return_token_ids).into_response())
+        let log = log.hand_on();
+        Ok(stream(state.clone(), started, meters, log, id, include_usage, req.return_token_ids).into_response())
     } else {
-        collect(state, started, meters, id, req.return_token_ids).await.map(|c| axum::Json(c).into_response())
+        collect(state, started, meters, log, id, req.return_token_ids).await.map(|c| axum::Json(c).into_response())
     }
 }
 
@@ -184,6 +198,7 @@ async fn collect(
     state: &AppState,
     mut started: Started,
     mut meters: Vec<ChoiceMeter>,
+    log: &mut AccessLog,
     id: String,
     return_ids: bool,
 ) -> Result<ChatCompletion, ApiError> {
@@ -200,6 +215,7 @@ async fn collect(
             }
             if ev.token_id.is_some() {
                 meter.token();
+                log.token();
             }
             tokens.extend(ev.token_id);
             text.push_str(&ev.text);
@@ -207,6 +223,7 @@ async fn collect(
                 meter.end(&f, ev.timing.as_ref());
                 if index == 0 {
                     cached = ev.timing.map_or(0, |t| t.cached_tokens);
+                    (log.cached_tokens, log.finish) = (cached, Some(finish_name(&f)));
                 }
                 break f;
             }
@@ -249,6 +266,8 @@ struct StreamState {
     meters: Vec<ChoiceMeter>,
     /// The first choice's prompt tokens from the prefix cache, once it ends.
     cached: u64,
+    /// Written when the stream ends, however it ends.
+    log: AccessLog,
     /// Choices not finished yet.
     open: usize,
     id: String,
@@ -291,6 +310,7 @@ fn stream(
     state: Arc<AppState>,
     mut started: Started,
     meters: Vec<ChoiceMeter>,
+    log: AccessLog,
     id: String,
     include_usage: bool,
     return_ids: bool,
@@ -312,6 +332,7 @@ fn stream(
         choice_ids: ids,
         meters,
         cached: 0,
+        log,
         open,
         id,
         created: now(),
@@ -345,7 +366,8 @@ fn stream(
                 Ok(Some((index, ev))) => s.on_event(index, ev),
                 Ok(None) => {
                     let e = ApiError::Internal("the request's event stream closed".into());
-                    s.pending.push_back(Event::default().data(e.body().to_string()));
+                    s.pending.push_back(Event::default().data(e.body_for(Some(&s.log.id)).to_string()));
+                    s.log.finish = Some("error");
                     s.done = true;
                 }
                 Err(_) => {
@@ -353,7 +375,8 @@ fn stream(
                         "no token from the engine within {} s",
                         s.state.timeouts.token.as_secs()
                     ));
-                    s.pending.push_back(Event::default().data(e.body().to_string()));
+                    s.pending.push_back(Event::default().data(e.body_for(Some(&s.log.id)).to_string()));
+                    s.log.finish = Some("error");
                     s.done = true;
                 }
             }
@@ -370,6 +393,7 @@ impl StreamState {
             if let Some(m) = self.meters.get_mut(index) {
                 m.token();
             }
+            self.log.token();
         }
         let extra = ChunkExtra {
             logprobs: match (ev.token_id, &ev.logprobs) {
@@ -391,10 +415,12 @@ impl StreamState {
         }
         if index == 0 {
             self.cached = ev.timing.map_or(0, |t| t.cached_tokens);
+            (self.log.cached_tokens, self.log.finish) = (self.cached, Some(finish_name(&reason)));
         }
         if let Some(err) = finish_error(&reason) {
             // The guard aborts every choice when the stream ends.
-            self.pending.push_back(Event::default().data(err.body().to_string()));
+            self.pending.push_back(Event::default().data(err.body_for(Some(&self.log.id)).to_string()));
+            self.log.finish = Some("error");
             self.done = true;
             return;
         }

@@ -180,11 +180,21 @@ impl EncoderService {
 }
 
 impl Encoder for EncoderService {
-    async fn encode(self, _: Context, items: Vec<EncodeItem>) -> Result<Vec<ItemTiming>, EncoderError> {
+    async fn encode(
+        self,
+        _: Context,
+        request_id: String,
+        items: Vec<EncodeItem>,
+    ) -> Result<Vec<ItemTiming>, EncoderError> {
         let timeout_ms = self.timeout.as_millis() as u64;
-        tokio::time::timeout(self.timeout, self.encode_inner(items))
+        let n = items.len();
+        let result = tokio::time::timeout(self.timeout, self.encode_inner(items))
             .await
-            .map_err(|_| EncoderError::Timeout(timeout_ms))?
+            .map_err(|_| EncoderError::Timeout(timeout_ms))?;
+        if let Err(e) = &result {
+            tracing::warn!(request_id, items = n, "encoding failed: {e}");
+        }
+        result
     }
 
     async fn stats(self, _: Context) -> EncoderStats {

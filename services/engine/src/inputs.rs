@@ -108,6 +108,7 @@ mod tests {
 
     fn request(positions: Option<MropePrompt>) -> GenerateRequest {
         GenerateRequest {
+            request_id: String::new(),
             id: 1,
             client: 1,
             prompt_ids: vec![1, 2, 3],

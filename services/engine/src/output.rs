@@ -79,6 +79,9 @@ impl OutputProcessor {
 
     /// Ends `req` without a token.
     pub fn finish(&self, req: &GenerateRequest, reason: FinishReason) {
+        if let FinishReason::Error(why) | FinishReason::Retry(why) = &reason {
+            tracing::warn!(request_id = %req.request_id, engine_id = req.id, "request ended: {why}");
+        }
         let event = OutputEvent {
             request_id: req.id,
             token_id: None,

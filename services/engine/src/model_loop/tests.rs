@@ -132,6 +132,7 @@ impl Harness {
 
 fn request(id: u64, prompt_ids: Vec<u64>, params: SamplingParams) -> GenerateRequest {
     GenerateRequest {
+        request_id: String::new(),
         id,
         client: CLIENT,
         prompt_ids,

@@ -132,6 +132,7 @@ impl Sim {
 
 fn request(id: u64, prompt_ids: Vec<u64>, params: SamplingParams) -> GenerateRequest {
     GenerateRequest {
+        request_id: String::new(),
         id,
         client: 1,
         prompt_ids,
