@@ -440,5 +440,54 @@ async fn api_keys_guard_the_v1_routes() {
     assert_eq!(models.status(), 401);
     let health = server.http.get(format!("{}/health", server.url)).send().await.unwrap();
     assert_eq!(health.status(), 200);
+    let metrics = server.http.get(format!("{}/metrics", server.url)).send().await.unwrap();
+    assert_eq!(metrics.status(), 200, "open unless --protect-metrics");
+    assert!(send(Some("k1")).await.unwrap().headers().get("access-control-allow-origin").is_none(), "no CORS");
+    server.stop();
+}
+
+/// `--protect-metrics` puts `/metrics` behind the keys; `--allowed-origins` answers
+/// browsers' preflights and marks responses (401s included) for the allowed origins only.
+#[tokio::test]
+async fn metrics_protection_and_cors() {
+    let server = Server::start(&[
+        "--api-key",
+        "k1",
+        "--protect-metrics",
+        "--allowed-origins",
+        "https://app.example,http://localhost:3000",
+    ]);
+    let metrics = format!("{}/metrics", server.url);
+    assert_eq!(server.http.get(&metrics).send().await.unwrap().status(), 401);
+    assert_eq!(server.http.get(&metrics).bearer_auth("k1").send().await.unwrap().status(), 200);
+
+    let url = format!("{}/v1/chat/completions", server.url);
+    let preflight = |origin: &'static str| {
+        server
+            .http
+            .request(reqwest::Method::OPTIONS, &url)
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "authorization, content-type")
+            .send()
+    };
+    let r = preflight("https://app.example").await.unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    assert_eq!(r.headers()["access-control-allow-origin"], "https://app.example");
+    let methods = r.headers()["access-control-allow-methods"].to_str().unwrap().to_ascii_uppercase();
+    assert!(methods.contains("POST"), "{methods}");
+    let r = preflight("https://elsewhere.example").await.unwrap();
+    assert!(r.headers().get("access-control-allow-origin").is_none(), "an origin not allowed");
+
+    let body = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let r = server.http.post(&url).header("origin", "http://localhost:3000").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["access-control-allow-origin"], "http://localhost:3000");
+    let r = server.http.post(&url).header("origin", "http://localhost:3000").bearer_auth("k1").json(&body);
+    let r = r.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["access-control-allow-origin"], "http://localhost:3000");
+    let exposed = r.headers()["access-control-expose-headers"].to_str().unwrap();
+    assert!(exposed.contains("x-request-id"), "{exposed}");
     server.stop();
 }

@@ -1,6 +1,6 @@
 //! `--api-key`: every `/v1/*` request must carry `Authorization: Bearer <key>` for one of
-//! the keys, compared in constant time; `/health` and `/metrics` stay open. Without keys,
-//! everything is open.
+//! the keys, compared in constant time; `/health` stays open, and `/metrics` unless
+//! `--protect-metrics`. Without keys, everything is open.
 
 use std::sync::Arc;
 

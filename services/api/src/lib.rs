@@ -68,6 +68,14 @@ pub struct ApiArgs {
     /// comma-separated); `/health` and `/metrics` stay open. Without one, no key is asked.
     #[arg(long, env = "MMSERVE_API_KEY", value_delimiter = ',', hide_env_values = true)]
     pub api_key: Vec<String>,
+    /// `/metrics` asks for a key too (with `--api-key`).
+    #[arg(long, env = "MMSERVE_PROTECT_METRICS")]
+    pub protect_metrics: bool,
+    /// Origins a browser page may call the API from (CORS; comma-separated, `*` for any);
+    /// preflight requests are answered. None: no CORS headers, so browsers allow only
+    /// same-origin pages.
+    #[arg(long, env = "MMSERVE_ALLOWED_ORIGINS", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
 }
 
 /// Every wait of the api process, in seconds.
@@ -211,6 +219,8 @@ pub enum ApiServiceError {
     LocalPath { path: PathBuf, source: std::io::Error },
     #[error("listening on {addr}: {source}")]
     Listen { addr: String, source: std::io::Error },
+    #[error("--allowed-origins: {0}")]
+    Origins(String),
 }
 
 async fn connect<In, Out>(
@@ -348,10 +358,11 @@ pub async fn run(args: ApiArgs, shutdown: impl Future<Output = ()> + Send + 'sta
         .map_err(|source| ApiServiceError::Listen { addr: addr.clone(), source })?;
     let local: SocketAddr = listener.local_addr().map_err(|source| ApiServiceError::Listen { addr, source })?;
     mmserve_protocol::ready::announce_with("api", &format!("http://{local}"));
+    let cors = routes::cors(&args.allowed_origins).map_err(ApiServiceError::Origins)?;
     let app = routes::router(
         state,
         args.media.max_body_bytes.0.min(usize::MAX as u64) as usize,
-        auth::ApiKeys::new(&args.api_key),
+        routes::Access { keys: auth::ApiKeys::new(&args.api_key), protect_metrics: args.protect_metrics, cors },
     );
     let limits = http::HttpLimits {
         max_connections: args.load.max_connections,

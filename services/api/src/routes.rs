@@ -25,21 +25,65 @@ use crate::state::AppState;
 use axum::Extension;
 use metrics::counter;
 
-pub fn router(state: Arc<AppState>, max_body_bytes: usize, keys: crate::auth::ApiKeys) -> Router {
+/// Who may call what: API keys (on `/v1/*`, and `/metrics` when protected) and the
+/// origins browser pages may call from.
+pub struct Access {
+    pub keys: crate::auth::ApiKeys,
+    pub protect_metrics: bool,
+    pub cors: Option<tower_http::cors::CorsLayer>,
+}
+
+/// The CORS layer for `--allowed-origins` (`*`: any origin); `None` for none.
+pub fn cors(origins: &[String]) -> Result<Option<tower_http::cors::CorsLayer>, String> {
+    use axum::http::{HeaderName, HeaderValue, header};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let origins: Vec<&str> = origins.iter().map(|o| o.trim()).filter(|o| !o.is_empty()).collect();
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.contains(&"*") {
+        AllowOrigin::any()
+    } else {
+        let list = origins
+            .iter()
+            .map(|o| HeaderValue::from_str(o).map_err(|_| format!("{o:?} is not a valid origin")))
+            .collect::<Result<Vec<_>, _>>()?;
+        AllowOrigin::list(list)
+    };
+    let request_id = HeaderName::from_static("x-request-id");
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, request_id.clone()])
+            .expose_headers([request_id])
+            .max_age(std::time::Duration::from_secs(600)),
+    ))
+}
+
+pub fn router(state: Arc<AppState>, max_body_bytes: usize, access: Access) -> Router {
     let chat = move |State(state): State<Arc<AppState>>, Extension(ids): Extension<RequestIds>, body: Body| {
         chat(state, ids, body, max_body_bytes)
     };
+    let keyed = axum::middleware::from_fn_with_state(access.keys, crate::auth::require_key);
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat).fallback(method_not_allowed))
         .route("/v1/models", get(models).fallback(method_not_allowed))
-        .route_layer(axum::middleware::from_fn_with_state(keys, crate::auth::require_key));
-    Router::new()
+        .route_layer(keyed.clone());
+    let metrics = Router::new().route("/metrics", get(metrics).fallback(method_not_allowed));
+    let metrics = if access.protect_metrics { metrics.route_layer(keyed) } else { metrics };
+    let app = Router::new()
         .merge(v1)
+        .merge(metrics)
         .route("/health", get(health).fallback(method_not_allowed))
-        .route("/metrics", get(metrics).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::access::request_id))
-        .with_state(state)
+        .with_state(state);
+    // Outermost: preflights are answered before any key or route is looked at.
+    match access.cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    }
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {
