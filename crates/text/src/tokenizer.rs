@@ -230,6 +230,12 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Tokenizes `text` as is, adding no special tokens (`/tokenize` without them).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let enc = self.inner.encode_fast(text, false).map_err(|e| TextError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
         // Ids past the tokenizer (padded vocabulary rows) decode to nothing, as in transformers.
         let known: Vec<u32> = ids.iter().copied().filter(|&id| (id as usize) < self.vocab_len()).collect();

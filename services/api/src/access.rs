@@ -57,7 +57,8 @@ fn usable(v: &HeaderValue) -> Option<String> {
 /// Middleware: gives the request its ids, runs it in their span and scope, and sets
 /// `x-request-id` on the response.
 pub async fn request_id(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
-    let completion = format!("chatcmpl-{:x}", state.new_request_id());
+    let prefix = if req.uri().path() == "/v1/completions" { "cmpl" } else { "chatcmpl" };
+    let completion = format!("{prefix}-{:x}", state.new_request_id());
     let request = req.headers().get("x-request-id").and_then(usable).unwrap_or_else(|| completion.clone());
     let client = req.extensions().get::<ClientAddr>().map(|c| c.0);
     req.extensions_mut().insert(RequestIds { request: request.clone(), completion, client });

@@ -16,7 +16,8 @@ use crate::cpu;
 use crate::error::ApiError;
 use crate::load::Queued;
 use crate::media::{MediaItem, RequestMedia, TokenBudget, check_kind, prepare};
-use crate::openai::ChatRequest;
+use crate::openai::{ChatRequest, RawPrompt};
+use crate::prompt::ItemSource;
 use crate::prompt::{check_text_fits, expand, mark_literal, parse_messages, tokenize};
 use crate::state::AppState;
 
@@ -225,48 +226,20 @@ pub async fn start(
     {
         return Err(ApiError::ModelNotFound(model.clone()));
     }
-    let parsed = parse_messages(&req.messages)?;
-    if parsed.items.len() > state.limits.max_items {
-        return Err(ApiError::bad_param(
-            "messages",
-            format!(
-                "{} media items in one request; the limit is {} (--max-items-per-request)",
-                parsed.items.len(),
-                state.limits.max_items
-            ),
-        ));
-    }
-    for src in &parsed.items {
-        check_kind(src, &state.limits.model, &state.model_name)?;
-    }
-    check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
-    let ids = {
-        // Moved, not copied: a prompt's text may be megabytes.
-        let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages, parsed.text_bytes);
-        cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
-            if let Some(marks) = &st.literal_marks {
-                mark_literal(&mut messages, marks, &st.tokenizer);
-            }
-            let ids = tokenize(&st.template, &st.tokenizer, &messages, st.literal_marks.as_ref());
-            drop(messages);
-            if text_bytes > LARGE_TEXT {
-                give_memory_back();
-            }
-            ids
-        })
-        .await??
+    let (sources, ids) = match &req.raw_prompt {
+        Some(prompt) => (Vec::new(), raw_prompt_ids(state, prompt).await?),
+        None => chat_prompt_ids(state, &req.messages, true).await?,
     };
 
     // Media: fetched, checked and keyed, all items at once.
-    let budget = TokenBudget::new(state.max_model_len, (ids.len() as u64).saturating_sub(parsed.items.len() as u64));
+    let budget = TokenBudget::new(state.max_model_len, (ids.len() as u64).saturating_sub(sources.len() as u64));
     let custom = RequestMedia::from_kwargs(req.mm_processor_kwargs.as_ref(), &state.limits, &state.model_name)?;
     let (limits, fingerprint) = match &custom {
         Some(c) => (&c.limits, c.fingerprint.as_str()),
         None => (&state.limits, state.fingerprint.as_str()),
     };
     let items: Vec<MediaItem> =
-        futures::future::try_join_all(parsed.items.iter().map(|src| prepare(src, limits, fingerprint, &budget)))
-            .await?;
+        futures::future::try_join_all(sources.iter().map(|src| prepare(src, limits, fingerprint, &budget))).await?;
     let tokens_of =
         |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
@@ -325,6 +298,69 @@ pub async fn start(
     }
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), requests).await)??;
     Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens, embed_hits_misses })
+}
+
+/// A chat request's media items and its prompt's ids: the messages checked, rendered by
+/// the chat template and tokenized (off the event loop), one placeholder per item.
+pub(crate) async fn chat_prompt_ids(
+    state: &Arc<AppState>,
+    messages: &[crate::openai::Message],
+    add_generation_prompt: bool,
+) -> Result<(Vec<ItemSource>, Vec<u32>), ApiError> {
+    let parsed = parse_messages(messages)?;
+    if parsed.items.len() > state.limits.max_items {
+        return Err(ApiError::bad_param(
+            "messages",
+            format!(
+                "{} media items in one request; the limit is {} (--max-items-per-request)",
+                parsed.items.len(),
+                state.limits.max_items
+            ),
+        ));
+    }
+    for src in &parsed.items {
+        check_kind(src, &state.limits.model, &state.model_name)?;
+    }
+    check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
+    // Moved, not copied: a prompt's text may be megabytes.
+    let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages, parsed.text_bytes);
+    let ids = cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
+        if let Some(marks) = &st.literal_marks {
+            mark_literal(&mut messages, marks, &st.tokenizer);
+        }
+        let ids = tokenize(&st.template, &st.tokenizer, &messages, st.literal_marks.as_ref(), add_generation_prompt);
+        drop(messages);
+        if text_bytes > LARGE_TEXT {
+            give_memory_back();
+        }
+        ids
+    })
+    .await??;
+    Ok((parsed.items, ids))
+}
+
+/// A completion request's prompt ids: its text tokenized as is (the tokenizer adds its
+/// special tokens, BOS among them), or its ids checked against the vocabulary.
+async fn raw_prompt_ids(state: &Arc<AppState>, prompt: &RawPrompt) -> Result<Vec<u32>, ApiError> {
+    match prompt {
+        RawPrompt::Ids(ids) => {
+            if let Some(bad) = ids.iter().find(|&&id| u64::from(id) >= state.vocab) {
+                return Err(ApiError::bad_param(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary ({})", state.vocab),
+                ));
+            }
+            Ok(ids.clone())
+        }
+        RawPrompt::Text(text) => {
+            check_text_fits(text.len(), state.tokenizer.max_token_bytes(), state.max_model_len)?;
+            let (st, text) = (state.clone(), text.clone());
+            cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
+                st.tokenizer.encode_prompt(&text).map_err(|e| ApiError::Internal(e.to_string()))
+            })
+            .await?
+        }
+    }
 }
 
 /// Reserves every item at once, writes the bytes of items this request created, and

@@ -18,6 +18,7 @@ pub mod openai;
 pub mod prompt;
 pub mod routes;
 pub mod state;
+pub mod tokens;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -4,6 +4,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::error::ApiError;
+
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     #[serde(default)]
@@ -59,6 +61,9 @@ pub struct ChatRequest {
     /// vLLM's per-request preprocessing settings (Qwen-VL: `min_pixels`, `max_pixels`).
     #[serde(default)]
     pub mm_processor_kwargs: Option<serde_json::Map<String, Value>>,
+    /// `/v1/completions`: the prompt as given, instead of `messages` and the template.
+    #[serde(skip)]
+    pub raw_prompt: Option<RawPrompt>,
     /// Every other field: refused when it is one mmserve does not implement
     /// ([`UNSUPPORTED`]), else logged and ignored, as vLLM does.
     #[serde(flatten)]
@@ -104,6 +109,164 @@ impl ChatRequest {
         }
         Ok(unknown)
     }
+}
+
+/// A completion request's prompt: text (tokenized as is, with the tokenizer's special
+/// tokens such as BOS) or token ids.
+#[derive(Debug, Clone)]
+pub enum RawPrompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// The most `logprobs` a completion request may ask for (OpenAI's limit is 5; vLLM's 20).
+const MAX_COMPLETION_LOGPROBS: u64 = 20;
+
+impl ChatRequest {
+    /// `/v1/completions`' body as a chat request over a raw prompt: `prompt` (a string,
+    /// token ids, or a list of one of either), `logprobs` as a count of alternatives,
+    /// `max_tokens` 16 unless given (OpenAI's default). `echo`, `suffix` and `best_of`
+    /// other than `n` are refused by name; every other field is the chat request's.
+    pub fn from_completion(body: Value) -> Result<Self, ApiError> {
+        let Value::Object(mut body) = body else {
+            return Err(ApiError::bad("invalid completion request: the body must be a JSON object"));
+        };
+        let bad = |param: &str, message: &str| ApiError::bad_param(param, message.to_string());
+        let prompt = body.remove("prompt").ok_or_else(|| bad("prompt", "a completion request needs a `prompt`"))?;
+        let ids = |v: &Vec<Value>| -> Option<Vec<u32>> {
+            v.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+        };
+        let raw = match &prompt {
+            Value::String(s) => RawPrompt::Text(s.clone()),
+            Value::Array(a) if a.is_empty() => return Err(bad("prompt", "the prompt is empty")),
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+                RawPrompt::Text(a[0].as_str().unwrap_or_default().into())
+            }
+            Value::Array(a) if a.len() == 1 && a[0].is_array() => match &a[0] {
+                Value::Array(inner) if !inner.is_empty() => {
+                    RawPrompt::Ids(ids(inner).ok_or_else(|| bad("prompt", "token ids must be integers"))?)
+                }
+                _ => return Err(bad("prompt", "the prompt is empty")),
+            },
+            Value::Array(a) if a.iter().all(Value::is_number) => {
+                RawPrompt::Ids(ids(a).ok_or_else(|| bad("prompt", "token ids must be integers"))?)
+            }
+            Value::Array(_) => {
+                return Err(bad("prompt", "one prompt per request: a string, token ids, or a list of one of either"));
+            }
+            _ => return Err(bad("prompt", "the prompt must be a string or token ids")),
+        };
+        if body.get("echo").is_some_and(|v| v.as_bool() == Some(true)) {
+            return Err(bad("echo", "`echo` is not supported by this server"));
+        }
+        body.remove("echo");
+        if body.get("suffix").is_some_and(|v| !v.is_null() && v.as_str() != Some("")) {
+            return Err(bad("suffix", "`suffix` is not supported by this server"));
+        }
+        body.remove("suffix");
+        let n = body.get("n").and_then(Value::as_u64).unwrap_or(1);
+        if let Some(best_of) = body.remove("best_of").filter(|v| !v.is_null())
+            && best_of.as_u64() != Some(n)
+        {
+            return Err(bad("best_of", "`best_of` other than `n` is not supported by this server"));
+        }
+        match body.remove("logprobs") {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                let k = v
+                    .as_u64()
+                    .filter(|&k| k <= MAX_COMPLETION_LOGPROBS)
+                    .ok_or_else(|| bad("logprobs", "`logprobs` must be an integer from 0 to 20"))?;
+                body.insert("logprobs".into(), Value::Bool(true));
+                body.insert("top_logprobs".into(), k.into());
+            }
+        }
+        if body.contains_key("messages") {
+            return Err(bad("messages", "a completion request has a `prompt`, not `messages`"));
+        }
+        body.insert("messages".into(), Value::Array(Vec::new()));
+        if !body.contains_key("max_tokens") && !body.contains_key("max_completion_tokens") {
+            body.insert("max_tokens".into(), 16.into());
+        }
+        let mut req: ChatRequest = serde_json::from_value(Value::Object(body))
+            .map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
+        req.raw_prompt = Some(raw);
+        Ok(req)
+    }
+}
+
+/// `/v1/completions`' response from the chat response built for it.
+pub fn text_completion(c: ChatCompletion) -> Value {
+    let choices: Vec<Value> = c
+        .choices
+        .into_iter()
+        .map(|ch| {
+            let mut v = serde_json::json!({
+                "index": ch.index,
+                "text": ch.message.content,
+                "logprobs": ch.logprobs.map(|l| completion_logprobs(&l, 0)),
+                "finish_reason": ch.finish_reason,
+            });
+            if let Some(ids) = ch.token_ids {
+                v["token_ids"] = ids.into();
+            }
+            v
+        })
+        .collect();
+    let mut v = serde_json::json!({
+        "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
+        "choices": choices, "usage": c.usage,
+    });
+    if let Some(ids) = c.prompt_token_ids {
+        v["prompt_token_ids"] = ids.into();
+    }
+    v
+}
+
+/// A completion stream's chunk from the chat chunk built for it; `offset`: characters of
+/// the choice's text before this chunk (the logprobs' `text_offset` counts from there).
+pub fn text_completion_chunk(c: ChatChunk, offset: usize) -> Value {
+    let choices: Vec<Value> = c
+        .choices
+        .into_iter()
+        .map(|ch| {
+            let mut v = serde_json::json!({
+                "index": ch.index,
+                "text": ch.delta.content.unwrap_or_default(),
+                "logprobs": ch.logprobs.map(|l| completion_logprobs(&l, offset)),
+                "finish_reason": ch.finish_reason,
+            });
+            if let Some(ids) = ch.token_ids {
+                v["token_ids"] = ids.into();
+            }
+            v
+        })
+        .collect();
+    let mut v = serde_json::json!({
+        "id": c.id, "object": "text_completion", "created": c.created, "model": c.model, "choices": choices,
+    });
+    if let Some(usage) = c.usage {
+        v["usage"] = serde_json::to_value(usage).unwrap_or_default();
+    }
+    v
+}
+
+/// The legacy completions' logprobs: parallel lists of tokens, their logprobs, the top
+/// alternatives as `{token: logprob}`, and each token's character offset in the text.
+fn completion_logprobs(l: &Logprobs, mut offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(l.content.len());
+    for t in &l.content {
+        text_offset.push(offset);
+        offset += t.token.chars().count();
+    }
+    serde_json::json!({
+        "tokens": l.content.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": l.content.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": l.content.iter().map(|t| {
+            t.top_logprobs.iter().map(|a| (a.token.clone(), Value::from(a.logprob))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
 }
 
 #[derive(Debug, Default, Deserialize)]

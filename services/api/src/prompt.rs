@@ -156,8 +156,9 @@ pub fn tokenize(
     tokenizer: &TextTokenizer,
     messages: &Value,
     marks: Option<&LiteralMarks>,
+    add_generation_prompt: bool,
 ) -> Result<Vec<u32>, ApiError> {
-    let text = template.render(messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
+    let text = template.render(messages, add_generation_prompt).map_err(|e| ApiError::bad(e.to_string()))?;
     let pieces = match marks {
         Some(m) => m.split(&text)?,
         None => vec![(text.as_str(), false)],

@@ -63,12 +63,19 @@ pub fn cors(origins: &[String]) -> Result<Option<tower_http::cors::CorsLayer>, S
 
 pub fn router(state: Arc<AppState>, max_body_bytes: usize, access: Access) -> Router {
     let chat = move |State(state): State<Arc<AppState>>, Extension(ids): Extension<RequestIds>, body: Body| {
-        chat(state, ids, body, max_body_bytes)
+        generate(state, ids, body, max_body_bytes, Kind::Chat)
+    };
+    let completions = move |State(state): State<Arc<AppState>>, Extension(ids): Extension<RequestIds>, body: Body| {
+        generate(state, ids, body, max_body_bytes, Kind::Completion)
     };
     let keyed = axum::middleware::from_fn_with_state(access.keys, crate::auth::require_key);
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat).fallback(method_not_allowed))
+        .route("/v1/completions", post(completions).fallback(method_not_allowed))
         .route("/v1/models", get(models).fallback(method_not_allowed))
+        .route("/v1/models/{id}", get(model).fallback(method_not_allowed))
+        .route("/tokenize", post(crate::tokens::tokenize).fallback(method_not_allowed))
+        .route("/detokenize", post(crate::tokens::detokenize).fallback(method_not_allowed))
         .route_layer(keyed.clone());
     let metrics = Router::new().route("/metrics", get(metrics).fallback(method_not_allowed));
     let metrics = if access.protect_metrics { metrics.route_layer(keyed) } else { metrics };
@@ -76,6 +83,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize, access: Access) -> Ro
         .merge(v1)
         .merge(metrics)
         .route("/health", get(health).fallback(method_not_allowed))
+        .route("/version", get(version).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::access::request_id))
         .with_state(state);
@@ -126,11 +134,11 @@ fn finish_name(r: &FinishReason) -> &'static str {
     m::reason_label(r)
 }
 
-async fn chat(state: Arc<AppState>, ids: RequestIds, body: Body, max_body_bytes: usize) -> Response {
+async fn generate(state: Arc<AppState>, ids: RequestIds, body: Body, max_body_bytes: usize, kind: Kind) -> Response {
     let arrived = Instant::now();
     counter!(m::REQUESTS).increment(1);
     let mut log = AccessLog::new(&ids, &state.model_name, arrived);
-    let result = chat_inner(&state, &ids, body, max_body_bytes, &mut log).await;
+    let result = generate_inner(&state, &ids, body, max_body_bytes, kind, &mut log).await;
     result.unwrap_or_else(|e| {
         counter!(m::FAILED).increment(1);
         if matches!(e, ApiError::Overloaded { .. }) {
@@ -142,11 +150,12 @@ async fn chat(state: Arc<AppState>, ids: RequestIds, body: Body, max_body_bytes:
     })
 }
 
-async fn chat_inner(
+async fn generate_inner(
     state: &Arc<AppState>,
     ids: &RequestIds,
     body: Body,
     max_body_bytes: usize,
+    kind: Kind,
     log: &mut AccessLog,
 ) -> Result<Response, ApiError> {
     let arrived = log.arrived();
@@ -155,8 +164,14 @@ async fn chat_inner(
     // before any work for the request.
     let body = read_body(state, body, max_body_bytes).await?;
     let queued = state.load.enter()?;
-    let req: ChatRequest =
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid chat completion request: {e}")))?;
+    let req: ChatRequest = match kind {
+        Kind::Chat => {
+            serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid chat completion request: {e}")))?
+        }
+        Kind::Completion => ChatRequest::from_completion(
+            serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?,
+        )?,
+    };
     drop(body);
     match req.unsupported() {
         Err(field) => return Err(ApiError::bad_param(field, format!("`{field}` is not supported by this server"))),
@@ -174,9 +189,13 @@ async fn chat_inner(
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         let log = log.hand_on();
-        Ok(stream(state.clone(), started, meters, log, id, include_usage, req.return_token_ids).into_response())
+        Ok(stream(state.clone(), started, meters, log, kind, id, include_usage, req.return_token_ids).into_response())
     } else {
-        collect(state, started, meters, log, id, req.return_token_ids).await.map(|c| axum::Json(c).into_response())
+        let c = collect(state, started, meters, log, id, req.return_token_ids).await?;
+        Ok(match kind {
+            Kind::Chat => axum::Json(c).into_response(),
+            Kind::Completion => axum::Json(text_completion(c)).into_response(),
+        })
     }
 }
 
@@ -312,6 +331,9 @@ struct StreamState {
     cached: u64,
     /// Written when the stream ends, however it ends.
     log: AccessLog,
+    kind: Kind,
+    /// Characters of each choice's text so far (completions' logprob offsets).
+    offsets: Vec<usize>,
     /// Choices not finished yet.
     open: usize,
     id: String,
@@ -324,8 +346,16 @@ struct StreamState {
     done: bool,
 }
 
+/// Which OpenAI endpoint a request came through: the same generation, two shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    /// `/v1/completions`: a raw prompt, `text_completion` objects.
+    Completion,
+}
+
 impl StreamState {
-    fn chunk(&self, index: usize, delta: Delta, finish: Option<&'static str>, extra: ChunkExtra) -> Event {
+    fn chunk(&mut self, index: usize, delta: Delta, finish: Option<&'static str>, extra: ChunkExtra) -> Event {
         let c = ChatChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
@@ -340,7 +370,24 @@ impl StreamState {
             }],
             usage: None,
         };
-        Event::default().data(serde_json::to_string(&c).unwrap_or_default())
+        self.frame(index, c)
+    }
+
+    /// The SSE frame of a chunk, in the endpoint's shape.
+    fn frame(&mut self, index: usize, c: ChatChunk) -> Event {
+        let data = match self.kind {
+            Kind::Chat => serde_json::to_string(&c),
+            Kind::Completion => {
+                let offset = self.offsets.get(index).copied().unwrap_or(0);
+                let added: usize =
+                    c.choices.iter().filter_map(|ch| ch.delta.content.as_ref()).map(|t| t.chars().count()).sum();
+                if let Some(o) = self.offsets.get_mut(index) {
+                    *o += added;
+                }
+                serde_json::to_string(&text_completion_chunk(c, offset))
+            }
+        };
+        Event::default().data(data.unwrap_or_default())
     }
 }
 
@@ -350,11 +397,14 @@ struct ChunkExtra {
     token_ids: Option<Vec<u32>>,
 }
 
+/// The SSE response of a started request (the parts of a [`StreamState`]).
+#[allow(clippy::too_many_arguments)]
 fn stream(
     state: Arc<AppState>,
     mut started: Started,
     meters: Vec<ChoiceMeter>,
     log: AccessLog,
+    kind: Kind,
     id: String,
     include_usage: bool,
     return_ids: bool,
@@ -377,6 +427,8 @@ fn stream(
         meters,
         cached: 0,
         log,
+        kind,
+        offsets: vec![0; open],
         open,
         id,
         created: now(),
@@ -386,7 +438,7 @@ fn stream(
         pending: Default::default(),
         done: false,
     };
-    for index in 0..open {
+    for index in (0..open).filter(|_| kind == Kind::Chat) {
         let first = s.chunk(
             index,
             Delta { role: Some("assistant"), content: Some(String::new()) },
@@ -487,24 +539,39 @@ impl StreamState {
                 choices: Vec::new(),
                 usage: Some(usage(&self.started, self.completion, self.cached)),
             };
-            self.pending.push_back(Event::default().data(serde_json::to_string(&c).unwrap_or_default()));
+            let frame = self.frame(0, c);
+            self.pending.push_back(frame);
         }
         self.pending.push_back(Event::default().data("[DONE]"));
         self.done = true;
     }
 }
 
+/// The served model as OpenAI's model object.
+fn model_object(state: &AppState) -> serde_json::Value {
+    serde_json::json!({
+        "id": state.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mmserve",
+        "max_model_len": state.max_model_len,
+    })
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    axum::Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "mmserve",
-            "max_model_len": state.max_model_len,
-        }]
-    }))
+    axum::Json(serde_json::json!({"object": "list", "data": [model_object(&state)]}))
+}
+
+async fn model(State(state): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if id == state.model_name {
+        axum::Json(model_object(&state)).into_response()
+    } else {
+        ApiError::ModelNotFound(id).into_response()
+    }
+}
+
+async fn version() -> impl IntoResponse {
+    axum::Json(serde_json::json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
 /// Ready only when every service answers.
