@@ -130,3 +130,50 @@ async fn answer_max_len(server: &Server) -> Value {
     assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
     v["max_model_len"].clone()
 }
+
+/// `--max-model-len` caps the context; a prompt past it is cut at the start
+/// (`--long-truncation-mode head`) to leave `max_tokens`, or to the request's
+/// `truncate_prompt_tokens`; an image wholly in the cut part goes, a cut inside one is
+/// refused.
+#[tokio::test]
+async fn long_prompts_are_cut_without_splitting_an_image() {
+    let server = Server::start(&["--max-model-len", "60", "--long-truncation-mode", "head"]);
+    let v: Value = server.http.get(format!("{}/v1/models", server.url)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["data"][0]["max_model_len"], 60);
+    let long = "the cat sat on the mat and looked at the dog ".repeat(20);
+    let text = |extra: Value| {
+        let mut body = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": long}], "max_tokens": 8,
+                              "ignore_eos": true});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let (status, v) = server.chat(&text(json!({}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() <= 52, "{v}");
+    let (status, v) = server.chat(&text(json!({"truncate_prompt_tokens": 20}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 20, "{v}");
+    let (status, v) = server.chat(&text(json!({"max_tokens": 100}))).await;
+    assert_eq!(status, 400, "more output than the context holds: {v}");
+
+    // The fixture's image request: 45 tokens, the image's 16 near the start.
+    let image = |k: u64| {
+        let mut body = image_request(&data_url(&fixture_png()), false);
+        body["truncate_prompt_tokens"] = k.into();
+        body
+    };
+    let (status, v) = server.chat(&image(30)).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "truncate_prompt_tokens", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("split media item 0"), "{v}");
+    let (status, v) = server.chat(&image(20)).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 20, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["image_tokens"], 0, "{v}");
+    let (status, v) = server.chat(&image(45)).await;
+    assert_eq!((status, v["usage"]["prompt_tokens_details"]["image_tokens"].clone()), (200, json!(16)), "{v}");
+    assert_eq!(server.metric("mmserve_embed_cache_references").await, 0, "nothing held after the cuts");
+    server.stop();
+}

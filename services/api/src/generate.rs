@@ -20,6 +20,7 @@ use crate::openai::{ChatRequest, RawPrompt};
 use crate::prompt::ItemSource;
 use crate::prompt::{check_text_fits, expand, mark_literal, parse_messages, tokenize};
 use crate::state::AppState;
+use crate::truncate::{TruncationMode, truncate};
 
 /// Holds a request's cache references and its place in the engine. Dropping it (the
 /// request finished, failed, or its client went away at any await) aborts the engine
@@ -226,20 +227,32 @@ pub async fn start(
     {
         return Err(ApiError::ModelNotFound(model.clone()));
     }
-    let (sources, ids) = match &req.raw_prompt {
-        Some(prompt) => (Vec::new(), raw_prompt_ids(state, prompt).await?),
-        None => chat_prompt_ids(state, &req.messages, true).await?,
+    let cut = truncation(state, req)?;
+    // A prompt that may be cut is not refused for its length before it is.
+    let bounded = cut.is_none();
+    let (sources, mut ids) = match &req.raw_prompt {
+        Some(prompt) => (Vec::new(), raw_prompt_ids(state, prompt, bounded).await?),
+        None => chat_prompt_ids(state, &req.messages, true, bounded).await?,
     };
 
     // Media: fetched, checked and keyed, all items at once.
-    let budget = TokenBudget::new(state.max_model_len, (ids.len() as u64).saturating_sub(sources.len() as u64));
+    let context = if bounded { state.max_model_len } else { u64::MAX };
+    let budget = TokenBudget::new(context, (ids.len() as u64).saturating_sub(sources.len() as u64));
     let custom = RequestMedia::from_kwargs(req.mm_processor_kwargs.as_ref(), &state.limits, &state.model_name)?;
     let (limits, fingerprint) = match &custom {
         Some(c) => (&c.limits, c.fingerprint.as_str()),
         None => (&state.limits, state.fingerprint.as_str()),
     };
-    let items: Vec<MediaItem> =
+    let mut items: Vec<MediaItem> =
         futures::future::try_join_all(sources.iter().map(|src| prepare(src, limits, fingerprint, &budget))).await?;
+    if let Some((keep, mode, param)) = cut {
+        let sizes: Vec<u32> = items.iter().map(|i| i.token_num).collect();
+        let (kept, kept_items) =
+            truncate(&ids, state.item_token, &sizes, keep, mode).map_err(|e| ApiError::bad_param(param, e))?;
+        ids = kept;
+        let mut all: Vec<Option<MediaItem>> = items.into_iter().map(Some).collect();
+        items = kept_items.into_iter().filter_map(|i| all.get_mut(i).and_then(Option::take)).collect();
+    }
     let tokens_of =
         |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
@@ -300,12 +313,38 @@ pub async fn start(
     Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens, embed_hits_misses })
 }
 
+/// How a request's prompt is cut if it is too long: to at most how many tokens, where,
+/// and the field a refusal names. `None`: it is not cut (a prompt past the context is
+/// refused).
+fn truncation(state: &AppState, req: &ChatRequest) -> Result<Option<(usize, TruncationMode, &'static str)>, ApiError> {
+    let context = state.max_model_len as usize;
+    match req.truncate_prompt_tokens {
+        Some(-1) => Ok(Some((context, TruncationMode::Head, "truncate_prompt_tokens"))),
+        Some(k) if k >= 1 && k as usize <= context => {
+            Ok(Some((k as usize, TruncationMode::Head, "truncate_prompt_tokens")))
+        }
+        Some(_) => Err(ApiError::bad_param(
+            "truncate_prompt_tokens",
+            format!("truncate_prompt_tokens must be -1 (the context) or from 1 to this model's context of {context}"),
+        )),
+        None if state.truncation == TruncationMode::None => Ok(None),
+        None => {
+            // Room for the answer: what it asks for, else an eighth of the context.
+            let answer = req.max_completion_tokens.or(req.max_tokens).map_or(context / 8, |n| n as usize);
+            let param = if req.raw_prompt.is_some() { "prompt" } else { "messages" };
+            Ok(Some((context.saturating_sub(answer).max(1), state.truncation, param)))
+        }
+    }
+}
+
 /// A chat request's media items and its prompt's ids: the messages checked, rendered by
 /// the chat template and tokenized (off the event loop), one placeholder per item.
+/// `bounded`: text that cannot fit the context is refused before it is tokenized.
 pub(crate) async fn chat_prompt_ids(
     state: &Arc<AppState>,
     messages: &[crate::openai::Message],
     add_generation_prompt: bool,
+    bounded: bool,
 ) -> Result<(Vec<ItemSource>, Vec<u32>), ApiError> {
     let parsed = parse_messages(messages)?;
     if parsed.items.len() > state.limits.max_items {
@@ -321,7 +360,9 @@ pub(crate) async fn chat_prompt_ids(
     for src in &parsed.items {
         check_kind(src, &state.limits.model, &state.model_name)?;
     }
-    check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
+    if bounded {
+        check_text_fits(parsed.text_bytes, state.tokenizer.max_token_bytes(), state.max_model_len)?;
+    }
     // Moved, not copied: a prompt's text may be megabytes.
     let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages, parsed.text_bytes);
     let ids = cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
@@ -341,7 +382,7 @@ pub(crate) async fn chat_prompt_ids(
 
 /// A completion request's prompt ids: its text tokenized as is (the tokenizer adds its
 /// special tokens, BOS among them), or its ids checked against the vocabulary.
-async fn raw_prompt_ids(state: &Arc<AppState>, prompt: &RawPrompt) -> Result<Vec<u32>, ApiError> {
+async fn raw_prompt_ids(state: &Arc<AppState>, prompt: &RawPrompt, bounded: bool) -> Result<Vec<u32>, ApiError> {
     match prompt {
         RawPrompt::Ids(ids) => {
             if let Some(bad) = ids.iter().find(|&&id| u64::from(id) >= state.vocab) {
@@ -353,7 +394,9 @@ async fn raw_prompt_ids(state: &Arc<AppState>, prompt: &RawPrompt) -> Result<Vec
             Ok(ids.clone())
         }
         RawPrompt::Text(text) => {
-            check_text_fits(text.len(), state.tokenizer.max_token_bytes(), state.max_model_len)?;
+            if bounded {
+                check_text_fits(text.len(), state.tokenizer.max_token_bytes(), state.max_model_len)?;
+            }
             let (st, text) = (state.clone(), text.clone());
             cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
                 st.tokenizer.encode_prompt(&text).map_err(|e| ApiError::Internal(e.to_string()))

@@ -19,6 +19,7 @@ pub mod prompt;
 pub mod routes;
 pub mod state;
 pub mod tokens;
+pub mod truncate;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -69,6 +70,11 @@ pub struct ApiArgs {
     /// comma-separated); `/health` and `/metrics` stay open. Without one, no key is asked.
     #[arg(long, env = "MMSERVE_API_KEY", value_delimiter = ',', hide_env_values = true)]
     pub api_key: Vec<String>,
+    /// A prompt past the context: refused (`none`), or cut at the start (`head`) or in the
+    /// middle (`center`) to leave room for `max_tokens` (without it, an eighth of the
+    /// context); media items are never split (a cut inside one is refused).
+    #[arg(long, env = "MMSERVE_LONG_TRUNCATION_MODE", value_enum, default_value = "none")]
+    pub long_truncation_mode: truncate::TruncationMode,
     /// `/metrics` asks for a key too (with `--api-key`).
     #[arg(long, env = "MMSERVE_PROTECT_METRICS")]
     pub protect_metrics: bool,
@@ -337,6 +343,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         let nonce = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8);
         state.literal_marks = Some(prompt::LiteralMarks::new(nonce));
     }
+    state.truncation = args.long_truncation_mode;
     Ok(Arc::new(state))
 }
 

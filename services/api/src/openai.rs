@@ -61,6 +61,10 @@ pub struct ChatRequest {
     /// vLLM's per-request preprocessing settings (Qwen-VL: `min_pixels`, `max_pixels`).
     #[serde(default)]
     pub mm_processor_kwargs: Option<serde_json::Map<String, Value>>,
+    /// vLLM's: keep only the prompt's last k tokens (-1: the context); media items are
+    /// never split.
+    #[serde(default)]
+    pub truncate_prompt_tokens: Option<i64>,
     /// `/v1/completions`: the prompt as given, instead of `messages` and the template.
     #[serde(skip)]
     pub raw_prompt: Option<RawPrompt>,

@@ -43,6 +43,8 @@ pub struct AppState {
     pub load: Arc<LoadGate>,
     /// Set when clients' text is read as plain text (`--special-tokens-in-content text`).
     pub literal_marks: Option<LiteralMarks>,
+    /// What happens to a prompt past the context (`--long-truncation-mode`).
+    pub truncation: crate::truncate::TruncationMode,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -101,6 +103,7 @@ impl AppState {
             timeouts,
             load,
             literal_marks: None,
+            truncation: crate::truncate::TruncationMode::None,
         }
     }
 

@@ -86,7 +86,8 @@ async fn tokenize_inner(state: &Arc<AppState>, body: &[u8]) -> Result<Value, Api
                     "with `messages`, the chat template writes the special tokens",
                 ));
             }
-            let (sources, ids) = crate::generate::chat_prompt_ids(state, messages, req.add_generation_prompt).await?;
+            let (sources, ids) =
+                crate::generate::chat_prompt_ids(state, messages, req.add_generation_prompt, true).await?;
             let custom = RequestMedia::from_kwargs(req.mm_processor_kwargs.as_ref(), &state.limits, &state.model_name)?;
             let (limits, fingerprint) = match &custom {
                 Some(c) => (&c.limits, c.fingerprint.as_str()),

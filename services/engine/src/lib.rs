@@ -41,6 +41,10 @@ pub struct EngineArgs {
     /// Most sequences decoding at once.
     #[arg(long, env = "MMSERVE_MAX_RUNNING_REQUESTS", default_value_t = 32)]
     pub max_running_requests: usize,
+    /// The context (prompt and output tokens) a request may take, at most the model's
+    /// `max_position_embeddings` (its default).
+    #[arg(long, env = "MMSERVE_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
     /// Longest connect to the embed cache (at start, and to map its arenas after a
     /// restart), first call included, in seconds.
     #[arg(long, env = "MMSERVE_CONNECT_TIMEOUT_S", default_value_t = 10)]
@@ -90,6 +94,8 @@ pub enum EngineServiceError {
     Shm(#[from] mmserve_shm::ShmError),
     #[error("binding {path}: {source}")]
     Bind { path: PathBuf, source: std::io::Error },
+    #[error("--max-model-len {asked} is more than the model's max_position_embeddings ({model}), or 0")]
+    MaxModelLen { asked: usize, model: usize },
 }
 
 pub async fn run(args: EngineArgs, shutdown: impl Future<Output = ()>) -> Result<(), EngineServiceError> {

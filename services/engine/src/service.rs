@@ -91,7 +91,14 @@ impl EngineService {
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         let view = Arc::new(ArenaView::open(&info)?);
         let vocab = model.config().vocab_size;
-        let max_len = model.config().max_position_embeddings;
+        let max_len = match args.max_model_len {
+            None => model.config().max_position_embeddings,
+            Some(n) if n > 0 && n <= model.config().max_position_embeddings => n,
+            Some(asked) => {
+                let model = model.config().max_position_embeddings;
+                return Err(EngineServiceError::MaxModelLen { asked, model });
+            }
+        };
         let mrope = !model.config().mrope_section.is_empty();
         let cfg = model.config();
         let dtype = model.dtype();
