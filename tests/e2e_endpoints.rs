@@ -177,3 +177,57 @@ async fn long_prompts_are_cut_without_splitting_an_image() {
     assert_eq!(server.metric("mmserve_embed_cache_references").await, 0, "nothing held after the cuts");
     server.stop();
 }
+
+/// `--served-model-name` with several names (responses carry the first), `--chat-template`
+/// from a file, and `--model` as a hub id found in the local Hugging Face cache (and a
+/// clear error that says where it looked when it is not there).
+#[tokio::test]
+async fn names_templates_and_hub_ids() {
+    let root = std::env::temp_dir().join(format!("mmserve-hub-e2e-{}", std::process::id()));
+    let snapshot = root.join("models--acme--tiny-llava/snapshots/0123abc");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    for entry in std::fs::read_dir(llava_dir()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), snapshot.join(entry.file_name())).unwrap();
+    }
+    std::fs::create_dir_all(root.join("models--acme--tiny-llava/refs")).unwrap();
+    std::fs::write(root.join("models--acme--tiny-llava/refs/main"), "0123abc").unwrap();
+    let template = root.join("template.jinja");
+    std::fs::write(&template, "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}ASSISTANT:").unwrap();
+    let cache = root.to_str().unwrap();
+
+    let server = Server::start_with(
+        std::path::Path::new("acme/tiny-llava"),
+        &["--served-model-name", "first,second", "--chat-template", template.to_str().unwrap()],
+        &[("MMSERVE_LOG", "warn"), ("HF_HUB_CACHE", cache)],
+        std::process::Stdio::inherit(),
+    );
+    let v: Value = server.http.get(format!("{}/v1/models", server.url)).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["first", "second"]);
+    let chat = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let (status, v) = server.chat(&chat("second")).await;
+    assert_eq!((status, v["model"].clone()), (200, json!("first")), "{v}");
+    let (status, _) = server.chat(&chat("acme/tiny-llava")).await;
+    assert_eq!(status, 404, "not a served name once names are given");
+    let (_, tok) = post(&server, "/tokenize", &json!({"messages": [{"role": "user", "content": "hi"}]})).await;
+    let (_, text) = post(&server, "/detokenize", &json!({"tokens": tok["tokens"]})).await;
+    assert!(
+        text["prompt"].as_str().unwrap().contains("[user] ")
+            && text["prompt"].as_str().unwrap().ends_with("ASSISTANT:"),
+        "{text}"
+    );
+    server.stop();
+
+    // Not in the cache: serve fails at start, saying where it looked.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mmserve"))
+        .args(["serve", "--port", "0", "--model", "acme/absent"])
+        .env("HF_HUB_CACHE", cache)
+        .env("MMSERVE_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("models--acme--absent"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}

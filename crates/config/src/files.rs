@@ -34,8 +34,20 @@ pub struct ModelDir {
 }
 
 impl ModelDir {
+    /// A directory, or a Hugging Face hub id found in the local cache ([`crate::hub`]),
+    /// served under that id.
     pub fn open(root: impl AsRef<Path>) -> Result<Self, ConfigError> {
-        let root = root.as_ref().to_path_buf();
+        let given = root.as_ref();
+        if !given.is_dir() && crate::hub::looks_like_hub_id(given) {
+            let id = given.to_string_lossy().into_owned();
+            let mut dir = Self::open_dir(crate::hub::resolve(&id, &crate::hub::cache_dir())?)?;
+            dir.name = id;
+            return Ok(dir);
+        }
+        Self::open_dir(given.to_path_buf())
+    }
+
+    fn open_dir(root: PathBuf) -> Result<Self, ConfigError> {
         if !root.is_dir() {
             return Err(ConfigError::NotADirectory(root));
         }
@@ -96,26 +108,39 @@ impl ModelDir {
         Ok(WeightFiles::Sharded(shards.into_iter().map(|s| self.path(&s)).collect()))
     }
 
-    /// The chat template: `chat_template.jinja` first, then `tokenizer_config.json`'s
-    /// `chat_template` (a string, or a list of named templates of which `default` is used).
+    /// The chat template, where transformers looks for it: `chat_template.jinja`, then a
+    /// processor's `chat_template.json`, then `tokenizer_config.json`'s `chat_template`
+    /// (in either JSON file a string, a list of named templates, or a map of them, of
+    /// which `default` is used).
     pub fn chat_template(&self) -> Result<Option<String>, ConfigError> {
         let jinja = self.path("chat_template.jinja");
         if jinja.exists() {
             return std::fs::read_to_string(&jinja).map(Some).map_err(|source| ConfigError::Io { path: jinja, source });
         }
-        let Some(tc) = self.optional_json("tokenizer_config.json")? else {
-            return Ok(None);
-        };
-        Ok(match tc.get("chat_template") {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template"))
-                .and_then(|t| t.as_str())
-                .map(str::to_string),
-            _ => None,
-        })
+        for file in ["chat_template.json", "tokenizer_config.json"] {
+            if let Some(template) =
+                self.optional_json(file)?.as_ref().and_then(|v| named_default(v.get("chat_template")?))
+            {
+                return Ok(Some(template));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A `chat_template` value: the string, or the template named `default` in a list of
+/// `{name, template}` or a map of name to template.
+fn named_default(v: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str())
+            .map(str::to_string),
+        Value::Object(map) => map.get("default")?.as_str().map(str::to_string),
+        _ => None,
     }
 }
 

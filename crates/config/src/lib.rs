@@ -8,6 +8,7 @@
 
 mod defaults;
 mod files;
+pub mod hub;
 mod llava;
 mod qwen2_audio;
 mod qwen2_vl;
@@ -27,6 +28,8 @@ pub const SUPPORTED: &str = "LlavaForConditionalGeneration, Qwen2AudioForConditi
 pub enum ConfigError {
     #[error("model directory {0} does not exist or is not a directory")]
     NotADirectory(PathBuf),
+    #[error("model {id:?} is not a directory, and not in the Hugging Face cache: looked in {looked}: {why}")]
+    NotInHubCache { id: String, looked: PathBuf, why: String },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: invalid JSON: {source}")]

@@ -74,6 +74,10 @@ fn chat_template_falls_back_to_tokenizer_config() {
     let tok = TextTokenizer::from_dir(&without_jinja).unwrap();
     let prompt = ChatTemplate::new(source, &tok).unwrap().render(&reference["messages"], true).unwrap();
     assert_eq!(prompt, reference["prompt"].as_str().unwrap());
+    // A processor's chat_template.json (a map of named templates here) comes before it.
+    std::fs::write(tmp.join("chat_template.json"), r#"{"chat_template": {"default": "processor {{ 1 }}"}}"#).unwrap();
+    assert_eq!(ModelDir::open(&tmp).unwrap().chat_template().unwrap().as_deref(), Some("processor {{ 1 }}"));
+    std::fs::remove_file(tmp.join("chat_template.json")).unwrap();
     std::fs::remove_file(tmp.join("tokenizer_config.json")).unwrap();
     assert!(ModelDir::open(&tmp).unwrap().chat_template().unwrap().is_none());
     std::fs::remove_dir_all(&tmp).unwrap();

@@ -223,7 +223,7 @@ pub async fn start(
     log_id: &str,
 ) -> Result<Started, ApiError> {
     if let Some(model) = &req.model
-        && model != &state.model_name
+        && !state.serves(model)
     {
         return Err(ApiError::ModelNotFound(model.clone()));
     }

@@ -49,9 +49,14 @@ pub struct ApiArgs {
     /// Hugging Face model directory.
     #[arg(long, env = "MMSERVE_MODEL")]
     pub model: PathBuf,
-    /// The name clients use in `model`; defaults to the directory's name.
-    #[arg(long, env = "MMSERVE_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
+    /// The names clients may use in `model` (comma-separated); responses carry the
+    /// first. Default: the directory's name (or the hub id given as `--model`).
+    #[arg(long, env = "MMSERVE_SERVED_MODEL_NAME", value_delimiter = ',')]
+    pub served_model_name: Vec<String>,
+    /// A chat template to use instead of the model's: a file, or the template itself
+    /// (text with `{{` or `{%`).
+    #[arg(long, env = "MMSERVE_CHAT_TEMPLATE")]
+    pub chat_template: Option<String>,
     #[arg(long, env = "MMSERVE_CACHE_SOCKET")]
     pub cache_socket: PathBuf,
     #[arg(long, env = "MMSERVE_ENCODER_SOCKET")]
@@ -228,6 +233,20 @@ pub enum ApiServiceError {
     Listen { addr: String, source: std::io::Error },
     #[error("--allowed-origins: {0}")]
     Origins(String),
+    #[error("--chat-template {0}")]
+    ChatTemplate(String),
+}
+
+/// `--chat-template`'s value: a file's text, or the template given inline.
+fn chat_template_arg(given: &str) -> Result<String, ApiServiceError> {
+    let path = std::path::Path::new(given);
+    if path.is_file() {
+        return std::fs::read_to_string(path).map_err(|e| ApiServiceError::ChatTemplate(format!("{given}: {e}")));
+    }
+    if given.contains("{{") || given.contains("{%") {
+        return Ok(given.to_string());
+    }
+    Err(ApiServiceError::ChatTemplate(format!("{given:?}: no such file (and not a template: no `{{{{` or `{{%`)")))
 }
 
 async fn connect<In, Out>(
@@ -246,7 +265,11 @@ where
 pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceError> {
     let dir = ModelDir::open(&args.model)?;
     let tokenizer = TextTokenizer::from_dir(&dir)?;
-    let template = ChatTemplate::new(dir.chat_template()?.ok_or(mmserve_text::TextError::NoChatTemplate)?, &tokenizer)?;
+    let source = match &args.chat_template {
+        Some(given) => chat_template_arg(given)?,
+        None => dir.chat_template()?.ok_or(mmserve_text::TextError::NoChatTemplate)?,
+    };
+    let template = ChatTemplate::new(source, &tokenizer)?;
     let pp = dir.optional_json("preprocessor_config.json")?.ok_or(ApiServiceError::NoPreprocessor)?;
     let (model_media, item_token) = match &dir.config {
         ModelConfig::Llava(cfg) => {
@@ -264,7 +287,9 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         }
     };
     let mrope = !dir.config.text().mrope_section.is_empty();
-    let name = args.served_model_name.clone().unwrap_or_else(|| dir.name.clone());
+    let names: Vec<String> =
+        args.served_model_name.iter().map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+    let name = names.first().cloned().unwrap_or_else(|| dir.name.clone());
     let local_root = match &args.media.allowed_local_media_path {
         Some(p) => {
             Some(std::fs::canonicalize(p).map_err(|e| ApiServiceError::LocalPath { path: p.clone(), source: e })?)
@@ -344,6 +369,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         state.literal_marks = Some(prompt::LiteralMarks::new(nonce));
     }
     state.truncation = args.long_truncation_mode;
+    state.aliases = names.into_iter().skip(1).collect();
     Ok(Arc::new(state))
 }
 

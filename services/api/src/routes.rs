@@ -547,10 +547,10 @@ impl StreamState {
     }
 }
 
-/// The served model as OpenAI's model object.
-fn model_object(state: &AppState) -> serde_json::Value {
+/// The served model as OpenAI's model object, under `name`.
+fn model_object(state: &AppState, name: &str) -> serde_json::Value {
     serde_json::json!({
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "mmserve",
@@ -559,12 +559,15 @@ fn model_object(state: &AppState) -> serde_json::Value {
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    axum::Json(serde_json::json!({"object": "list", "data": [model_object(&state)]}))
+    let names = std::iter::once(&state.model_name).chain(&state.aliases);
+    axum::Json(
+        serde_json::json!({"object": "list", "data": names.map(|n| model_object(&state, n)).collect::<Vec<_>>()}),
+    )
 }
 
 async fn model(State(state): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
-    if id == state.model_name {
-        axum::Json(model_object(&state)).into_response()
+    if state.serves(&id) {
+        axum::Json(model_object(&state, &id)).into_response()
     } else {
         ApiError::ModelNotFound(id).into_response()
     }

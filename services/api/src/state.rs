@@ -15,7 +15,10 @@ use crate::media::MediaLimits;
 use crate::prompt::LiteralMarks;
 
 pub struct AppState {
+    /// The served model's name, in every response.
     pub model_name: String,
+    /// Other names requests may use for it (`--served-model-name a,b,…` past the first).
+    pub aliases: Vec<String>,
     pub tokenizer: TextTokenizer,
     pub template: ChatTemplate,
     /// The id the chat template writes for one media item (`<image>`, `<|AUDIO|>`).
@@ -103,6 +106,7 @@ impl AppState {
             timeouts,
             load,
             literal_marks: None,
+            aliases: Vec::new(),
             truncation: crate::truncate::TruncationMode::None,
         }
     }
@@ -115,6 +119,11 @@ impl AppState {
             ArenaError::Shm(_) => ApiError::Internal(e.to_string()),
         })?;
         Ok(mapped.view().clone())
+    }
+
+    /// Whether requests may name the model `name`.
+    pub fn serves(&self, name: &str) -> bool {
+        name == self.model_name || self.aliases.iter().any(|a| a == name)
     }
 
     /// Unique at the engine: this process's id in the high bits.

@@ -51,7 +51,7 @@ struct DetokenizeRequest {
 
 fn check(model: &Option<String>, other: &Map<String, Value>, state: &AppState) -> Result<(), ApiError> {
     if let Some(model) = model
-        && model != &state.model_name
+        && !state.serves(model)
     {
         return Err(ApiError::ModelNotFound(model.clone()));
     }
