@@ -7,7 +7,9 @@ after warm-up:
     512, 128 new tokens, generate() less one prefill).
 Grids follow the preprocessor's smart_resize (multiples of 28). Prints one line a figure.
 
-    python3 benches/gpu/hf_qwen_vl_baseline.py [SIDES=448,1024] [BATCH=32]
+    python3 benches/gpu/hf_qwen_vl_baseline.py [SIDES=448,1024] [BATCH=32] [vision]
+
+With `vision` as the third argument, the tower only.
 """
 import sys, time
 import torch
@@ -60,6 +62,8 @@ with torch.no_grad():
         print(f"transformers vision batch {len(grids)} ({label}): {len(grids) / t:.1f} img/s {t * 1e3:.2f} ms")
 del vision
 torch.cuda.empty_cache()
+if len(sys.argv) > 3 and sys.argv[3] == "vision":
+    sys.exit(0)
 
 with torch.device("meta"):
     model = Qwen2_5_VLForConditionalGeneration(cfg)
