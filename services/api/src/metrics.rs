@@ -176,6 +176,10 @@ fn describe() {
     describe_gauge!("mmserve_kv_blocks_used", "KV blocks held by running requests.");
     describe_gauge!("mmserve_kv_blocks_total", "KV blocks in the pool.");
     describe_gauge!("mmserve_cache_config_info", "The KV cache's configuration, in labels (value 1).");
+    describe_gauge!("vllm:num_requests_waiting", "Inference gateway protocol: requests not yet giving tokens.");
+    describe_gauge!("vllm:num_requests_running", "Inference gateway protocol: requests in the running batch.");
+    describe_gauge!("vllm:kv_cache_usage_perc", "Inference gateway protocol: fraction of KV blocks in use.");
+    describe_gauge!("vllm:cache_config_info", "Inference gateway protocol: block_size and num_gpu_blocks.");
     describe_counter!("mmserve_prefix_cache_hit_tokens_total", "Prompt tokens whose KV came from the prefix cache.");
     describe_counter!("mmserve_num_preemptions_total", "Requests preempted for lack of KV blocks.");
     describe_counter!("mmserve_prefill_tokens_total", "Prompt tokens computed by the engine.");
@@ -276,6 +280,9 @@ pub fn refresh(
     (queued, queued_tokens): (usize, u64),
 ) {
     gauge!("mmserve_queued_requests").set(queued as f64);
+    // The inference gateway's model-server protocol, under the names its endpoint picker
+    // reads by default (vLLM's): queued requests are those not yet giving tokens.
+    gauge!("vllm:num_requests_waiting").set(queued as f64);
     gauge!("mmserve_queued_prompt_tokens").set(queued_tokens as f64);
     if let Some(s) = cache {
         counter!("mmserve_embed_cache_hits_total").absolute(s.hits);
@@ -296,11 +303,14 @@ pub fn refresh(
         gauge!("mmserve_num_requests_waiting").set(s.waiting as f64);
         let usage = if s.kv_blocks_total == 0 { 0.0 } else { s.kv_blocks_used as f64 / s.kv_blocks_total as f64 };
         gauge!("mmserve_kv_cache_usage_perc").set(usage);
+        gauge!("vllm:num_requests_running").set(s.running as f64);
+        gauge!("vllm:kv_cache_usage_perc").set(usage);
         gauge!("mmserve_kv_blocks_used").set(s.kv_blocks_used as f64);
         gauge!("mmserve_kv_blocks_total").set(s.kv_blocks_total as f64);
-        gauge!("mmserve_cache_config_info", "block_size" => s.kv_block_size.to_string(),
-               "num_gpu_blocks" => s.kv_blocks_total.to_string())
-        .set(1.0);
+        for name in ["mmserve_cache_config_info", "vllm:cache_config_info"] {
+            let (block_size, blocks) = (s.kv_block_size.to_string(), s.kv_blocks_total.to_string());
+            gauge!(name, "block_size" => block_size, "num_gpu_blocks" => blocks).set(1.0);
+        }
         counter!("mmserve_prefix_cache_hit_tokens_total").absolute(s.prefix_cache_hit_tokens);
         counter!("mmserve_num_preemptions_total").absolute(s.preemptions);
         counter!("mmserve_prefill_tokens_total").absolute(s.prefill_tokens);
