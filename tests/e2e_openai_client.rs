@@ -22,7 +22,8 @@ fn python() -> Option<PathBuf> {
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
-        let msg = "no Python with tests/python/requirements.txt: run tests/python/setup.sh (or set MMSERVE_TEST_PYTHON)";
+        let msg =
+            "no Python with tests/python/requirements.txt: run tests/python/setup.sh (or set MMSERVE_TEST_PYTHON)";
         assert!(std::env::var_os("MMSERVE_REQUIRE_PYTHON").is_none(), "{msg}");
         eprintln!("SKIPPED: {msg}");
     }

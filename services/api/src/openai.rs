@@ -322,6 +322,14 @@ pub fn parse_part(v: &Value, at: &str) -> Result<Part, String> {
             .map(|t| Part::Text(t.to_string()))
             .ok_or_else(|| format!("{at}: a text part needs a string `text`")),
         "image_url" => {
+            // OpenAI's `detail` picks a resolution for its own models; the models served
+            // here see every image at the resolution their processor gives it, so it is
+            // taken (when valid) and changes nothing.
+            if let Some(detail) = v.get("image_url").and_then(|o| o.get("detail")).filter(|d| !d.is_null())
+                && !matches!(detail.as_str(), Some("auto" | "low" | "high"))
+            {
+                return Err(format!("{at}: image_url.detail must be \"auto\", \"low\" or \"high\", got {detail}"));
+            }
             let url = match v.get("image_url") {
                 Some(Value::String(s)) => Some(s.as_str()),
                 Some(obj) => obj.get("url").and_then(Value::as_str),
@@ -446,4 +454,23 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_detail_is_taken_when_valid() {
+        for detail in [json_detail("auto"), json_detail("low"), json_detail("high"), Value::Null] {
+            let part = serde_json::json!({"type": "image_url", "image_url": {"url": "data:,", "detail": detail}});
+            assert!(matches!(parse_part(&part, "p"), Ok(Part::ImageUrl(_))), "{part}");
+        }
+        let part = serde_json::json!({"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}});
+        assert!(parse_part(&part, "p").unwrap_err().contains("image_url.detail"));
+    }
+
+    fn json_detail(s: &str) -> Value {
+        Value::String(s.into())
+    }
 }
