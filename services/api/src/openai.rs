@@ -204,18 +204,7 @@ pub fn text_completion(c: ChatCompletion) -> Value {
     let choices: Vec<Value> = c
         .choices
         .into_iter()
-        .map(|ch| {
-            let mut v = serde_json::json!({
-                "index": ch.index,
-                "text": ch.message.content,
-                "logprobs": ch.logprobs.map(|l| completion_logprobs(&l, 0)),
-                "finish_reason": ch.finish_reason,
-            });
-            if let Some(ids) = ch.token_ids {
-                v["token_ids"] = ids.into();
-            }
-            v
-        })
+        .map(|ch| completion_choice(ch.index, ch.message.content, ch.logprobs, ch.finish_reason, ch.token_ids, 0))
         .collect();
     let mut v = serde_json::json!({
         "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
@@ -234,16 +223,8 @@ pub fn text_completion_chunk(c: ChatChunk, offset: usize) -> Value {
         .choices
         .into_iter()
         .map(|ch| {
-            let mut v = serde_json::json!({
-                "index": ch.index,
-                "text": ch.delta.content.unwrap_or_default(),
-                "logprobs": ch.logprobs.map(|l| completion_logprobs(&l, offset)),
-                "finish_reason": ch.finish_reason,
-            });
-            if let Some(ids) = ch.token_ids {
-                v["token_ids"] = ids.into();
-            }
-            v
+            let text = ch.delta.content.unwrap_or_default();
+            completion_choice(ch.index, text, ch.logprobs, ch.finish_reason, ch.token_ids, offset)
         })
         .collect();
     let mut v = serde_json::json!({
@@ -251,6 +232,28 @@ pub fn text_completion_chunk(c: ChatChunk, offset: usize) -> Value {
     });
     if let Some(usage) = c.usage {
         v["usage"] = serde_json::to_value(usage).unwrap_or_default();
+    }
+    v
+}
+
+/// One choice of a completion (or of a stream's chunk); `offset`: characters of the
+/// choice's text before `text`.
+fn completion_choice(
+    index: u32,
+    text: String,
+    logprobs: Option<Logprobs>,
+    finish_reason: Option<&'static str>,
+    token_ids: Option<Vec<u32>>,
+    offset: usize,
+) -> Value {
+    let mut v = serde_json::json!({
+        "index": index,
+        "text": text,
+        "logprobs": logprobs.map(|l| completion_logprobs(&l, offset)),
+        "finish_reason": finish_reason,
+    });
+    if let Some(ids) = token_ids {
+        v["token_ids"] = ids.into();
     }
     v
 }
