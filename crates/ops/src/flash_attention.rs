@@ -619,8 +619,14 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
             }
         }
         // (new queries, cached tokens, heads, kv heads, head_dim, block_size)
-        let cases: [(usize, usize, usize, usize, usize, usize); 4] =
-            [(70, 0, 4, 2, 128, 16), (33, 100, 2, 1, 64, 16), (130, 5, 4, 4, 128, 32), (1, 20, 2, 2, 64, 16)];
+        // The last: Qwen2-7B's seven query heads a KV head.
+        let cases: [(usize, usize, usize, usize, usize, usize); 5] = [
+            (70, 0, 4, 2, 128, 16),
+            (33, 100, 2, 1, 64, 16),
+            (130, 5, 4, 4, 128, 32),
+            (1, 20, 2, 2, 64, 16),
+            (77, 40, 14, 2, 128, 16),
+        ];
         for (i, &(n, past, heads, kv_heads, hd, bs)) in cases.iter().enumerate() {
             let used = (past + n).div_ceil(bs);
             // Block 0 and the last block are in no table; the table runs backwards.

@@ -354,13 +354,15 @@ pub fn self_test(device: &Device) -> Result<Vec<String>, OpError> {
     // (seqs, heads, kv_heads, head_dim, block_size, lengths)
     // The 16-bit cases of head dim 64 and 128 take the tiled kernel: sequences of very
     // different lengths (splits past a short one's end), grouped heads, many splits.
-    let cases: [(usize, usize, usize, usize, &[usize]); 6] = [
+    // The last: Qwen2-7B's seven query heads a KV head, at head dim 128.
+    let cases: [(usize, usize, usize, usize, &[usize]); 7] = [
         (4, 2, 16, 5, &[1, 5, 6, 23]),
         (3, 3, 80, 16, &[300, 17, 1]),
         (1, 1, 128, 16, &[2049]),
         (8, 4, 7, 3, &[9, 1, 2, 3, 10, 11, 4, 7]),
         (8, 2, 64, 16, &[700, 3, 129, 64]),
         (4, 4, 128, 32, &[1, 513, 77]),
+        (14, 2, 128, 16, &[40, 600, 1]),
     ];
     for (i, &(heads, kv_heads, head_dim, block_size, lens)) in cases.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
