@@ -39,6 +39,24 @@ pub struct SamplingParams {
     /// OpenAI's `logit_bias`: added to these tokens' logits before sampling.
     #[serde(default)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// What the output must match, enforced token by token while decoding.
+    #[serde(default)]
+    pub constraint: Option<Constraint>,
+}
+
+/// A structured-output constraint (`response_format`, vLLM's `structured_outputs`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Constraint {
+    /// A JSON value matching this JSON schema (its text).
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// Text matching this regular expression, whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar (llguidance's dialect).
+    Lark(String),
 }
 
 impl Default for SamplingParams {
@@ -60,6 +78,7 @@ impl Default for SamplingParams {
             logprobs: None,
             skip_special_tokens: true,
             logit_bias: Vec::new(),
+            constraint: None,
         }
     }
 }

@@ -17,8 +17,8 @@ pub use cache::{
 };
 pub use encoder::{EncodeItem, Encoder, EncoderClient, EncoderError, EncoderStats, ItemTiming};
 pub use engine::{
-    Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, MropePrompt, OutputEvent,
-    RequestTiming, SamplingParams, TokenLogprobs,
+    Constraint, Engine, EngineClient, EngineError, EngineInfo, FinishReason, GenerateRequest, ItemSpan, MropePrompt,
+    OutputEvent, RequestTiming, SamplingParams, TokenLogprobs,
 };
 
 /// Virtual token ids of media items start here, far above any vocabulary, and are

@@ -230,6 +230,15 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Tokenizes `text` as text continuing a sequence: no special tokens, and none of the
+    /// prefix space a pre-tokenizer puts at the start of a text (a grammar's bytes, which
+    /// follow earlier output).
+    pub fn encode_continuing(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let v = self.variants.get_or_init(|| Variants::of(&self.inner));
+        let enc = v.continuing.encode_fast(text, false).map_err(|e| TextError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Tokenizes `text` as is, adding no special tokens (`/tokenize` without them).
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TextError> {
         let enc = self.inner.encode_fast(text, false).map_err(|e| TextError::Encode(e.to_string()))?;
