@@ -363,7 +363,7 @@ async fn unimplemented_fields_are_refused_by_name() {
     let server = Server::start(&[]);
     let base = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     for (field, value) in [
-        ("response_format", json!({"type": "json_object"})),
+        ("parallel_tool_calls", json!(true)),
         ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
         ("tool_choice", json!("auto")),
     ] {

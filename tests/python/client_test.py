@@ -10,8 +10,12 @@ Exits non-zero (with the failing assertion) on the first mismatch.
 import base64
 import sys
 
+import json
+from typing import Literal
+
 import openai
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 image_url, audio_url, key, png_path, wav_path = sys.argv[1:6]
 png = base64.b64encode(open(png_path, "rb").read()).decode()
@@ -73,13 +77,26 @@ r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, 
                                    stop=[word], extra_body={"ignore_eos": True})
 assert r.choices[0].finish_reason == "stop" and word not in r.choices[0].message.content, (word, r.choices[0])
 
+# Structured output into a Pydantic model (the client sends it as a strict JSON schema).
+class Pick(BaseModel):
+    color: Literal["red", "green", "blue"]
+    count: int = Field(ge=0, le=9)
+    sure: bool
+
+
+for seed in range(3):
+    r = vision.chat.completions.parse(model="llava-tiny", messages=image_messages, response_format=Pick,
+                                      max_tokens=60, temperature=1.0, seed=seed)
+    picked = r.choices[0].message.parsed
+    assert isinstance(picked, Pick) and 0 <= picked.count <= 9, r.choices[0]
+
 # Errors as the client's typed exceptions.
 try:
     vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=4,
-                                   response_format={"type": "json_object"})
-    raise AssertionError("response_format was accepted")
+                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    raise AssertionError("tools were accepted")
 except openai.BadRequestError as e:
-    assert e.status_code == 400 and e.body["param"] == "response_format", e.body
+    assert e.status_code == 400 and e.body["param"] == "tools", e.body
 try:
     OpenAI(base_url=f"{image_url}/v1", api_key="wrong", max_retries=0).models.list()
     raise AssertionError("a wrong key was accepted")

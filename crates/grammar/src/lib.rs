@@ -170,6 +170,19 @@ pub struct Matcher {
     vocab: usize,
 }
 
+impl Clone for Matcher {
+    /// An independent copy at the same place (a fork of the sequence).
+    fn clone(&self) -> Self {
+        Matcher { inner: self.inner.deep_clone(), vocab: self.vocab }
+    }
+}
+
+impl std::fmt::Debug for Matcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Matcher").field("vocab", &self.vocab).field("stopped", &self.inner.is_stopped()).finish()
+    }
+}
+
 impl Matcher {
     /// The tokens allowed next, as bits (token t is bit t % 32 of word t / 32), over the
     /// trie's vocabulary; when the output is complete, only the end-of-sequence token.

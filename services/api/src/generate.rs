@@ -194,6 +194,7 @@ pub fn sampling(
         logit_bias.push((id, bias as f32));
     }
     logit_bias.sort_by_key(|&(id, _)| id);
+    let constraint = req.constraint().map_err(|(field, why)| ApiError::bad_param(&field, why))?.map(|(_, c)| c);
     let params = SamplingParams {
         max_tokens: max_tokens as u32,
         min_tokens,
@@ -206,6 +207,7 @@ pub fn sampling(
         frequency_penalty,
         seed: req.seed,
         logit_bias,
+        constraint,
         ignore_eos: req.ignore_eos,
         stop_token_ids: req.stop_token_ids.clone(),
         stop,
@@ -258,6 +260,7 @@ pub async fn start(
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
     let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens + audio_tokens;
     let (params, n) = sampling(req, prompt_len, state.max_model_len, state.vocab)?;
+    check_constraint(state, req).await?;
     queued.add_prompt_tokens(prompt_len)?;
 
     let request_id = state.new_request_id();
@@ -311,6 +314,22 @@ pub async fn start(
     }
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), requests).await)??;
     Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens, embed_hits_misses })
+}
+
+/// Compiles the request's output constraint (on the CPU pool; cached for the engine's
+/// identical compile), so that a bad schema, regex or grammar is a 400 that says what is
+/// wrong, before anything is reserved.
+async fn check_constraint(state: &Arc<AppState>, req: &ChatRequest) -> Result<(), ApiError> {
+    let Some((field, c)) = req.constraint().map_err(|(f, why)| ApiError::bad_param(&f, why))? else {
+        return Ok(());
+    };
+    let grammars = state.grammars.clone();
+    cpu::run(&state.limits.cpu, "compiling the output constraint", move || match grammars.matcher(&c) {
+        Ok(_) => Ok(()),
+        Err(mmserve_grammar::GrammarError::Invalid(why)) => Err(ApiError::bad_param(field, format!("{field}: {why}"))),
+        Err(e) => Err(ApiError::Internal(e.to_string())),
+    })
+    .await?
 }
 
 /// How a request's prompt is cut if it is too long: to at most how many tokens, where,

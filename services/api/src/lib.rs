@@ -235,6 +235,8 @@ pub enum ApiServiceError {
     Origins(String),
     #[error("--chat-template {0}")]
     ChatTemplate(String),
+    #[error(transparent)]
+    Grammar(#[from] mmserve_grammar::GrammarError),
 }
 
 /// `--chat-template`'s value: a file's text, or the template given inline.
@@ -323,9 +325,11 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         n => n,
     };
     let load = load::LoadGate::new(args.load.max_queued_requests.max(1), queued_tokens);
+    let eos = tokenizer.eos_ids().first().copied().unwrap_or_default();
+    let grammars = Arc::new(mmserve_grammar::Grammars::new(&dir, eos)?);
     let mut state = AppState::new(
         name,
-        tokenizer,
+        (tokenizer, grammars),
         template,
         item_token,
         fingerprint,

@@ -77,7 +77,6 @@ pub struct ChatRequest {
 /// Fields of OpenAI's chat completion request that mmserve does not implement: a request
 /// with one is refused (400, naming it) rather than answered as if it were honoured.
 pub const UNSUPPORTED: &[&str] = &[
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -88,12 +87,92 @@ pub const UNSUPPORTED: &[&str] = &[
     "prediction",
     "web_search_options",
     "reasoning_effort",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
 ];
+
+/// The fields that ask for structured output: OpenAI's `response_format`, vLLM's
+/// `structured_outputs` and its older `guided_*` spellings.
+const CONSTRAINT_FIELDS: &[&str] =
+    &["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"];
+
+impl ChatRequest {
+    /// The output constraint the request asks for (at most one) and the field that asked;
+    /// `Err((field, why))` for a malformed one. (The constraint itself is checked by
+    /// compiling it.)
+    pub fn constraint(&self) -> Result<Option<(&'static str, mmserve_protocol::Constraint)>, (String, String)> {
+        use mmserve_protocol::Constraint;
+        let given: Vec<(&'static str, &Value)> = CONSTRAINT_FIELDS
+            .iter()
+            .filter_map(|&k| self.other.get(k).filter(|v| !v.is_null()).map(|v| (k, v)))
+            .collect();
+        let bad = |field: &str, why: &str| (field.to_string(), why.to_string());
+        let schema_text = |field: &str, v: &Value| -> Result<String, (String, String)> {
+            match v {
+                Value::Object(_) => Ok(v.to_string()),
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(bad(field, "a JSON schema must be an object (or its text)")),
+            }
+        };
+        let string = |field: &str, v: &Value| -> Result<String, (String, String)> {
+            v.as_str().map(str::to_string).ok_or_else(|| bad(field, "must be a string"))
+        };
+        let choice = |field: &str, v: &Value| -> Result<Vec<String>, (String, String)> {
+            let list = v.as_array().ok_or_else(|| bad(field, "must be a list of strings"))?;
+            list.iter()
+                .map(|o| o.as_str().map(str::to_string).ok_or_else(|| bad(field, "must be a list of strings")))
+                .collect()
+        };
+        let mut found = Vec::new();
+        for (field, v) in given {
+            let c = match field {
+                "response_format" => match v.get("type").and_then(Value::as_str) {
+                    Some("text") => None,
+                    Some("json_object") => Some(Constraint::JsonObject),
+                    Some("json_schema") => {
+                        let schema = v
+                            .get("json_schema")
+                            .and_then(|j| j.get("schema"))
+                            .ok_or_else(|| bad(field, "json_schema needs `json_schema.schema`"))?;
+                        Some(Constraint::JsonSchema(schema_text(field, schema)?))
+                    }
+                    _ => return Err(bad(field, "response_format.type must be text, json_object or json_schema")),
+                },
+                "structured_outputs" => {
+                    let obj = v.as_object().ok_or_else(|| bad(field, "must be an object"))?;
+                    let mut parts = Vec::new();
+                    for (k, x) in obj.iter().filter(|(_, x)| !x.is_null()) {
+                        let f = format!("structured_outputs.{k}");
+                        parts.push(match k.as_str() {
+                            "json" => Constraint::JsonSchema(schema_text(&f, x)?),
+                            "json_object" if x.as_bool() == Some(true) => Constraint::JsonObject,
+                            "regex" => Constraint::Regex(string(&f, x)?),
+                            "choice" => Constraint::Choice(choice(&f, x)?),
+                            "grammar" => Constraint::Lark(string(&f, x)?),
+                            _ => {
+                                return Err(bad(
+                                    &f,
+                                    &format!("`{f}` is not supported (json, json_object, regex, choice, grammar)"),
+                                ));
+                            }
+                        });
+                    }
+                    if parts.len() > 1 {
+                        return Err(bad(field, "give one of json, json_object, regex, choice and grammar"));
+                    }
+                    parts.pop()
+                }
+                "guided_json" => Some(Constraint::JsonSchema(schema_text(field, v)?)),
+                "guided_regex" => Some(Constraint::Regex(string(field, v)?)),
+                "guided_choice" => Some(Constraint::Choice(choice(field, v)?)),
+                _ => Some(Constraint::Lark(string(field, v)?)),
+            };
+            found.extend(c.map(|c| (field, c)));
+        }
+        match found.len() {
+            0 | 1 => Ok(found.pop()),
+            _ => Err(bad(found[1].0, "one structured-output constraint per request")),
+        }
+    }
+}
 
 /// Fields OpenAI clients send that change nothing here (metadata), accepted quietly.
 const NO_EFFECT: &[&str] = &["user", "store", "metadata", "service_tier"];
@@ -103,7 +182,7 @@ impl ChatRequest {
     pub fn unsupported(&self) -> Result<Vec<&str>, &str> {
         let mut unknown = Vec::new();
         for (key, value) in &self.other {
-            if value.is_null() || NO_EFFECT.contains(&key.as_str()) {
+            if value.is_null() || NO_EFFECT.contains(&key.as_str()) || CONSTRAINT_FIELDS.contains(&key.as_str()) {
                 continue;
             }
             if UNSUPPORTED.contains(&key.as_str()) {

@@ -46,6 +46,8 @@ pub struct AppState {
     pub load: Arc<LoadGate>,
     /// Set when clients' text is read as plain text (`--special-tokens-in-content text`).
     pub literal_marks: Option<LiteralMarks>,
+    /// The model's structured-output compiler (constraints are checked here).
+    pub grammars: Arc<mmserve_grammar::Grammars>,
     /// What happens to a prompt past the context (`--long-truncation-mode`).
     pub truncation: crate::truncate::TruncationMode,
 }
@@ -71,7 +73,7 @@ impl AppState {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         model_name: String,
-        tokenizer: TextTokenizer,
+        (tokenizer, grammars): (TextTokenizer, Arc<mmserve_grammar::Grammars>),
         template: ChatTemplate,
         item_token: u32,
         fingerprint: String,
@@ -106,6 +108,7 @@ impl AppState {
             timeouts,
             load,
             literal_marks: None,
+            grammars,
             aliases: Vec::new(),
             truncation: crate::truncate::TruncationMode::None,
         }

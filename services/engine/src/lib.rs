@@ -94,6 +94,8 @@ pub enum EngineServiceError {
     Shm(#[from] mmserve_shm::ShmError),
     #[error("binding {path}: {source}")]
     Bind { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Grammar(#[from] mmserve_grammar::GrammarError),
     #[error("--max-model-len {asked} is more than the model's max_position_embeddings ({model}), or 0")]
     MaxModelLen { asked: usize, model: usize },
 }

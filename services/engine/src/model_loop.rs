@@ -20,8 +20,8 @@ use crate::scheduler::{Planned, Scheduler, Seq};
 use crate::service::Counts;
 
 pub enum Command {
-    /// One request's choices, in order.
-    Submit(Vec<GenerateRequest>),
+    /// One request's choices, in order, each with its constraint's matcher if it has one.
+    Submit(Vec<(GenerateRequest, Option<mmserve_grammar::Matcher>)>),
     Abort(u64),
     /// The embed cache restarted: read rows from its new arenas from now on.
     Remap(Arc<ArenaView>),
@@ -125,13 +125,14 @@ impl<R: ModelRunner> ModelLoop<R> {
     pub fn apply(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(choices) => {
-                for req in choices {
+                for (req, grammar) in choices {
                     // Submitted against arenas that a Remap has since replaced: cannot run.
                     if !req.items.is_empty() && req.cache_instance != self.runner.arena_instance() {
                         self.output.finish(&req, restarted());
                         continue;
                     }
-                    let sampling = SamplingState::new(&req, self.runner.vocab_size(), self.output.tokenizer.eos_ids());
+                    let eos = self.output.tokenizer.eos_ids();
+                    let sampling = SamplingState::new(&req, self.runner.vocab_size(), eos).with_grammar(grammar);
                     let detok = Detok::new(&req);
                     let mrope =
                         req.positions.as_ref().map(|p| MropePositions { prompt: p.streams.clone(), delta: p.delta });
@@ -249,7 +250,8 @@ impl<R: ModelRunner> ModelLoop<R> {
         let seq = &mut self.sched.running_mut()[index];
         let (token, logprobs) = seq.state.sampling.choose(&seq.req.params, next);
         seq.output.push(token);
-        let stop_token = seq.state.sampling.stop_ids.contains(&token);
+        // A constraint that is complete ends the sequence as a stop token would.
+        let stop_token = seq.state.sampling.stop_ids.contains(&token) || seq.state.sampling.constraint_done;
         let timing = seq.state.clock.token(Instant::now(), seq.req.prompt_ids.len());
         let step = crate::output::Step { token, logprobs, generated: seq.output.len(), stop_token, timing };
         self.output.token(&seq.req, &mut seq.state.detok, step)

@@ -87,6 +87,7 @@ pub fn device_samples(params: &SamplingParams, history: &History) -> bool {
 /// The model's logits alone decide: nothing to adjust or report on the host.
 fn logits_suffice(params: &SamplingParams, history: &History) -> bool {
     params.logprobs.is_none()
+        && params.constraint.is_none()
         && params.logit_bias.is_empty()
         && params.repetition_penalty == 1.0
         && params.presence_penalty == 0.0
@@ -175,6 +176,11 @@ pub struct SamplingState {
     pub rng: Rng,
     /// Ids that end the sequence: the request's, plus EOS unless `ignore_eos`.
     pub stop_ids: Vec<u32>,
+    /// The output constraint's place, if the request has one: it masks each row on the
+    /// host and follows each chosen token.
+    pub grammar: Option<mmserve_grammar::Matcher>,
+    /// The constraint is complete (or failed): the sequence ends with this token.
+    pub constraint_done: bool,
 }
 
 impl SamplingState {
@@ -191,7 +197,15 @@ impl SamplingState {
             history: History { prompt, ..Default::default() },
             rng: Rng::new(p.seed.unwrap_or_else(|| fresh_seed(req.id))),
             stop_ids,
+            grammar: None,
+            constraint_done: false,
         }
+    }
+
+    /// With the matcher of the request's constraint.
+    pub fn with_grammar(mut self, grammar: Option<mmserve_grammar::Matcher>) -> Self {
+        self.grammar = grammar;
+        self
     }
 
     /// The token `next` stands for, with its log-probabilities when asked; advances the
@@ -206,13 +220,41 @@ impl SamplingState {
             Next::Logits(mut row) => {
                 let raw = params.logprobs.map(|_| row.clone());
                 adjust(&mut row, params, &self.history, &self.stop_ids);
-                let token = sample(&row, params, &mut self.rng);
+                let token = match self.constrain(&mut row) {
+                    Some(token) => token,
+                    None => sample(&row, params, &mut self.rng),
+                };
                 let k = usize::from(params.logprobs.unwrap_or(0).min(20));
                 (token, raw.map(|raw| logprobs(&raw, token, k)))
             }
         };
+        if let Some(g) = &mut self.grammar {
+            match g.advance(token) {
+                Ok(done) => self.constraint_done |= done,
+                Err(e) => {
+                    tracing::warn!("ending a constrained sequence: {e}");
+                    self.constraint_done = true;
+                }
+            }
+        }
         self.history.push(token);
         (token, lps)
+    }
+
+    /// Masks `row` to the tokens the constraint allows. `Some(token)` when the choice is
+    /// made already: nothing is allowed (the constraint failed, or `min_tokens` hides the
+    /// end it requires), so the sequence ends with its first stop id.
+    fn constrain(&mut self, row: &mut [f32]) -> Option<u32> {
+        let g = self.grammar.as_mut()?;
+        match g.mask() {
+            Ok(mask) => mmserve_grammar::Matcher::apply(&mask, row),
+            Err(e) => tracing::warn!("masking a constrained sequence: {e}"),
+        }
+        if row.iter().any(|l| l.is_finite()) {
+            return None;
+        }
+        self.constraint_done = true;
+        Some(self.stop_ids.first().copied().unwrap_or_default())
     }
 }
 

@@ -80,6 +80,8 @@ pub struct EngineService {
     cache: Arc<CacheConnection>,
     /// Longest wait to map the cache's arenas after it restarted.
     connect_timeout: Duration,
+    /// Compiles requests' output constraints (cached) before they reach the model thread.
+    grammars: Arc<mmserve_grammar::Grammars>,
 }
 
 impl EngineService {
@@ -89,6 +91,8 @@ impl EngineService {
         let model = Llama::load(&dir, &placement)?;
         tracing::info!(device = ?placement.device, dtype = ?placement.dtype, format = %placement.format, "language model loaded");
         let tokenizer = TextTokenizer::from_dir(&dir)?;
+        let eos = tokenizer.eos_ids().first().copied().unwrap_or_default();
+        let grammars = Arc::new(mmserve_grammar::Grammars::new(&dir, eos)?);
         let view = Arc::new(ArenaView::open(&info)?);
         let vocab = model.config().vocab_size;
         let max_len = match args.max_model_len {
@@ -152,6 +156,7 @@ impl EngineService {
             arena: Arc::new(ArenaMap::shared(view)),
             cache: Arc::new(cache),
             connect_timeout: Duration::from_secs(args.connect_timeout_s.max(1)),
+            grammars,
         })
     }
 
@@ -226,7 +231,23 @@ impl Engine for EngineService {
                 )));
             }
         }
-        self.send(Command::Submit(choices))
+        // Each constrained choice gets its matcher here, off the model thread (compiling a
+        // new schema takes milliseconds; a repeated one is a copy from the cache).
+        let mut submitted = Vec::with_capacity(choices.len());
+        for request in choices {
+            let grammar = match request.params.constraint.clone() {
+                None => None,
+                Some(c) => {
+                    let grammars = self.grammars.clone();
+                    let compiled = tokio::task::spawn_blocking(move || grammars.matcher(&c))
+                        .await
+                        .map_err(|e| EngineError::Invalid(format!("compiling the output constraint: {e}")))?;
+                    Some(compiled.map_err(|e| EngineError::Invalid(e.to_string()))?)
+                }
+            };
+            submitted.push((request, grammar));
+        }
+        self.send(Command::Submit(submitted))
     }
 
     async fn abort(self, _: Context, request_id: u64) {

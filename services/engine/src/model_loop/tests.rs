@@ -90,7 +90,7 @@ impl Harness {
     }
 
     fn submit(&mut self, req: GenerateRequest) {
-        self.l.apply(Command::Submit(vec![req]));
+        self.l.apply(Command::Submit(vec![(req, None)]));
     }
 
     fn abort(&mut self, id: u64) {
