@@ -363,9 +363,9 @@ async fn unimplemented_fields_are_refused_by_name() {
     let server = Server::start(&[]);
     let base = json!({"model": "llava-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     for (field, value) in [
-        ("parallel_tool_calls", json!(true)),
-        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
-        ("tool_choice", json!("auto")),
+        ("functions", json!([{"name": "f"}])),
+        ("function_call", json!("auto")),
+        ("prediction", json!({"type": "content", "content": "x"})),
     ] {
         let mut body = base.clone();
         body[field] = value;

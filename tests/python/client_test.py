@@ -90,13 +90,34 @@ for seed in range(3):
     picked = r.choices[0].message.parsed
     assert isinstance(picked, Pick) and 0 <= picked.count <= 9, r.choices[0]
 
+# A tool-calling round trip: a required call parses into typed tool_calls whose arguments
+# fit the schema, and the call and the tool's answer go back in the next request.
+weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"type": "string", "maxLength": 12}}}}}
+r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=80, temperature=1.0,
+                                   seed=3, tools=[weather], tool_choice="required", parallel_tool_calls=False)
+c = r.choices[0]
+assert c.finish_reason == "tool_calls" and c.message.content is None, c
+call = c.message.tool_calls[0]
+assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_"), call
+args = json.loads(call.function.arguments)
+assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 12, args
+r = vision.chat.completions.create(
+    model="llava-tiny", max_tokens=4, tools=[weather], tool_choice="none",
+    messages=image_messages + [c.message.model_dump(exclude_none=True),
+                               {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}])
+assert r.choices[0].message.content is not None and not r.choices[0].message.tool_calls, r.choices[0]
+r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=40, tools=[weather],
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+assert r.choices[0].message.tool_calls[0].function.name == "get_weather", r.choices[0]
+
 # Errors as the client's typed exceptions.
 try:
-    vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=4,
-                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    raise AssertionError("tools were accepted")
+    vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=4, tools=[weather])
+    raise AssertionError("tool_choice auto was accepted without a tool-call format")
 except openai.BadRequestError as e:
-    assert e.status_code == 400 and e.body["param"] == "tools", e.body
+    assert e.status_code == 400 and e.body["param"] == "tool_choice", e.body
 try:
     OpenAI(base_url=f"{image_url}/v1", api_key="wrong", max_retries=0).models.list()
     raise AssertionError("a wrong key was accepted")

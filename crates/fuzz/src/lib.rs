@@ -30,11 +30,17 @@ pub fn audio(data: &[u8]) {
     let _ = decode_audio(bytes, hint, &AudioLimits { max_seconds: 5.0, ..AudioLimits::default() });
 }
 
-/// A chat completion request's body: JSON, messages and parts, sampling fields.
+/// A chat completion request's body: JSON, messages and parts, tools, output constraints
+/// and sampling fields.
 pub fn chat_request(data: &[u8]) {
     let Ok(req) = serde_json::from_slice::<ChatRequest>(data) else { return };
     let _ = mmserve_api::prompt::parse_messages(&req.messages);
-    let _ = mmserve_api::generate::sampling(&req, 10, 4096, 32_000);
+    let parser = mmserve_api::tools::ToolParser::Hermes;
+    let Ok(tools) = mmserve_api::tools::Tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), parser) else {
+        return;
+    };
+    let Ok(constraint) = mmserve_api::generate::output_constraint(&req, tools.as_ref()) else { return };
+    let _ = mmserve_api::generate::sampling(&req, constraint.map(|(_, c)| c), 10, 4096, 32_000);
 }
 
 /// Media URLs as a part carries them: `data:` URLs and base64 payloads, and the whole of

@@ -596,7 +596,8 @@ fn ac_refine(
     let (p1, m1) = (1i16 << al, (-1i16) << al);
     let refine = |bits: &mut Bits, coef: &mut i16| {
         if bits.bit() && *coef & p1 == 0 {
-            *coef += if *coef >= 0 { p1 } else { m1 };
+            // libjpeg adds in int and stores a short: a corrupt scan wraps, never traps.
+            *coef = coef.wrapping_add(if *coef >= 0 { p1 } else { m1 });
         }
     };
     let mut k = ss;

@@ -19,12 +19,12 @@ fn template_and_tokenizer_match_transformers() {
     let (dir, reference) = fixture();
     let tok = TextTokenizer::from_dir(&dir).unwrap();
     let template = ChatTemplate::new(dir.chat_template().unwrap().unwrap(), &tok).unwrap();
-    let prompt = template.render(&reference["messages"], true).unwrap();
+    let prompt = template.render(&reference["messages"], None, true).unwrap();
     assert_eq!(prompt, reference["prompt"].as_str().unwrap());
     assert_eq!(tok.encode_prompt(&prompt).unwrap(), ids(&reference["prompt_ids_before_expansion"]));
 
     let text_only = json!([{"role": "user", "content": [{"type": "text", "text": "Hello, how are you?"}]}]);
-    let prompt = template.render(&text_only, true).unwrap();
+    let prompt = template.render(&text_only, None, true).unwrap();
     assert_eq!(prompt, reference["text_only_prompt"].as_str().unwrap());
     assert_eq!(tok.encode_prompt(&prompt).unwrap(), ids(&reference["text_only_input_ids"]));
     assert_eq!(tok.eos_ids(), &[2]);
@@ -72,7 +72,7 @@ fn chat_template_falls_back_to_tokenizer_config() {
     let without_jinja = ModelDir::open(&tmp).unwrap();
     let source = without_jinja.chat_template().unwrap().expect("tokenizer_config.json has one");
     let tok = TextTokenizer::from_dir(&without_jinja).unwrap();
-    let prompt = ChatTemplate::new(source, &tok).unwrap().render(&reference["messages"], true).unwrap();
+    let prompt = ChatTemplate::new(source, &tok).unwrap().render(&reference["messages"], None, true).unwrap();
     assert_eq!(prompt, reference["prompt"].as_str().unwrap());
     // A processor's chat_template.json (a map of named templates here) comes before it.
     std::fs::write(tmp.join("chat_template.json"), r#"{"chat_template": {"default": "processor {{ 1 }}"}}"#).unwrap();

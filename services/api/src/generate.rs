@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use mmserve_protocol::reconnect::Lease;
 use mmserve_protocol::{
-    AllocItem, EncodeItem, GenerateRequest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure, SamplingParams,
-    deadline,
+    AllocItem, Constraint, EncodeItem, GenerateRequest, ItemRecord, ItemSpan, Modality, OutputEvent, RpcFailure,
+    SamplingParams, deadline,
 };
 use tokio::sync::mpsc;
 
@@ -20,6 +20,7 @@ use crate::openai::{ChatRequest, RawPrompt};
 use crate::prompt::ItemSource;
 use crate::prompt::{check_text_fits, expand, mark_literal, parse_messages, tokenize};
 use crate::state::AppState;
+use crate::tools::Tools;
 use crate::truncate::{TruncationMode, truncate};
 
 /// Holds a request's cache references and its place in the engine. Dropping it (the
@@ -82,6 +83,8 @@ pub struct Started {
     pub audio_tokens: u64,
     /// The request's items found in the embed cache, and those it added.
     pub embed_hits_misses: (u64, u64),
+    /// The request's tools, when it has any (its choices' output is read for calls).
+    pub tools: Option<Tools>,
 }
 
 fn rpc<T>(service: &'static str, r: Result<T, tarpc::client::RpcError>) -> Result<T, ApiError> {
@@ -107,6 +110,7 @@ const MAX_STOPS: usize = 16;
 /// The request's sampling fields, checked: the parameters and the number of choices.
 pub fn sampling(
     req: &ChatRequest,
+    constraint: Option<Constraint>,
     prompt_len: u64,
     max_model_len: u64,
     vocab: u64,
@@ -194,7 +198,6 @@ pub fn sampling(
         logit_bias.push((id, bias as f32));
     }
     logit_bias.sort_by_key(|&(id, _)| id);
-    let constraint = req.constraint().map_err(|(field, why)| ApiError::bad_param(&field, why))?.map(|(_, c)| c);
     let params = SamplingParams {
         max_tokens: max_tokens as u32,
         min_tokens,
@@ -232,9 +235,13 @@ pub async fn start(
     let cut = truncation(state, req)?;
     // A prompt that may be cut is not refused for its length before it is.
     let bounded = cut.is_none();
+    let tools = Tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), state.tool_parser)
+        .map_err(|(field, why)| ApiError::bad_param(field, why))?
+        .map(|t| t.at_most_one_call(req.parallel_tool_calls == Some(false)));
+    let constraint = output_constraint(req, tools.as_ref())?;
     let (sources, mut ids) = match &req.raw_prompt {
         Some(prompt) => (Vec::new(), raw_prompt_ids(state, prompt, bounded).await?),
-        None => chat_prompt_ids(state, &req.messages, true, bounded).await?,
+        None => chat_prompt_ids(state, &req.messages, tools.as_ref().map(|t| &t.list), true, bounded).await?,
     };
 
     // Media: fetched, checked and keyed, all items at once.
@@ -259,8 +266,9 @@ pub async fn start(
         |m: Modality| -> u64 { items.iter().filter(|i| i.modality == m).map(|i| u64::from(i.token_num)).sum() };
     let (image_tokens, audio_tokens) = (tokens_of(Modality::Image), tokens_of(Modality::Audio));
     let prompt_len = (ids.len() as u64).saturating_sub(items.len() as u64) + image_tokens + audio_tokens;
-    let (params, n) = sampling(req, prompt_len, state.max_model_len, state.vocab)?;
-    check_constraint(state, req).await?;
+    let (params, n) =
+        sampling(req, constraint.as_ref().map(|c| c.1.clone()), prompt_len, state.max_model_len, state.vocab)?;
+    check_constraint(state, constraint).await?;
     queued.add_prompt_tokens(prompt_len)?;
 
     let request_id = state.new_request_id();
@@ -313,14 +321,36 @@ pub async fn start(
         requests.push(request);
     }
     rpc("engine", state.engine.submit(deadline(state.timeouts.rpc), requests).await)??;
-    Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens, embed_hits_misses })
+    Ok(Started { guard, choices, prompt_ids, image_tokens, audio_tokens, embed_hits_misses, tools })
+}
+
+/// The request's output constraint and the field that asked for it: a structured-output
+/// field, or the tools when `tool_choice` is `"required"` or a named function (not both).
+pub fn output_constraint(
+    req: &ChatRequest,
+    tools: Option<&Tools>,
+) -> Result<Option<(&'static str, Constraint)>, ApiError> {
+    let asked = req.constraint().map_err(|(field, why)| ApiError::bad_param(&field, why))?;
+    match (asked, tools.and_then(Tools::constraint)) {
+        (Some((field, _)), Some(_)) => Err(ApiError::bad_param(
+            "tool_choice",
+            format!(
+                "tool_choice \"required\" or a named function constrains the output; it cannot be combined with `{field}`"
+            ),
+        )),
+        (Some(asked), None) => Ok(Some(asked)),
+        (None, tool) => Ok(tool.map(|c| ("tools", c))),
+    }
 }
 
 /// Compiles the request's output constraint (on the CPU pool; cached for the engine's
 /// identical compile), so that a bad schema, regex or grammar is a 400 that says what is
 /// wrong, before anything is reserved.
-async fn check_constraint(state: &Arc<AppState>, req: &ChatRequest) -> Result<(), ApiError> {
-    let Some((field, c)) = req.constraint().map_err(|(f, why)| ApiError::bad_param(&f, why))? else {
+async fn check_constraint(
+    state: &Arc<AppState>,
+    constraint: Option<(&'static str, Constraint)>,
+) -> Result<(), ApiError> {
+    let Some((field, c)) = constraint else {
         return Ok(());
     };
     let grammars = state.grammars.clone();
@@ -362,6 +392,7 @@ fn truncation(state: &AppState, req: &ChatRequest) -> Result<Option<(usize, Trun
 pub(crate) async fn chat_prompt_ids(
     state: &Arc<AppState>,
     messages: &[crate::openai::Message],
+    tools: Option<&serde_json::Value>,
     add_generation_prompt: bool,
     bounded: bool,
 ) -> Result<(Vec<ItemSource>, Vec<u32>), ApiError> {
@@ -384,11 +415,19 @@ pub(crate) async fn chat_prompt_ids(
     }
     // Moved, not copied: a prompt's text may be megabytes.
     let (st, mut messages, text_bytes) = (state.clone(), parsed.template_messages, parsed.text_bytes);
+    let tools = tools.cloned();
     let ids = cpu::run(&state.limits.cpu, "tokenizing prompts", move || {
         if let Some(marks) = &st.literal_marks {
             mark_literal(&mut messages, marks, &st.tokenizer);
         }
-        let ids = tokenize(&st.template, &st.tokenizer, &messages, st.literal_marks.as_ref(), add_generation_prompt);
+        let ids = tokenize(
+            &st.template,
+            &st.tokenizer,
+            &messages,
+            tools.as_ref(),
+            st.literal_marks.as_ref(),
+            add_generation_prompt,
+        );
         drop(messages);
         if text_bytes > LARGE_TEXT {
             give_memory_back();

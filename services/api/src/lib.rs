@@ -19,6 +19,7 @@ pub mod prompt;
 pub mod routes;
 pub mod state;
 pub mod tokens;
+pub mod tools;
 pub mod truncate;
 
 use std::net::SocketAddr;
@@ -188,6 +189,11 @@ pub struct PromptArgs {
     /// write the chat template's control tokens or media tags).
     #[arg(long, env = "MMSERVE_SPECIAL_TOKENS_IN_CONTENT", value_enum, default_value = "parse")]
     pub special_tokens_in_content: prompt::SpecialTokens,
+    /// How the model's own tool calls are read (`tool_choice: "auto"`): `hermes`
+    /// (`<tool_call>{…}</tool_call>`, Qwen2 and Qwen2.5), `none`, or `auto` (hermes when
+    /// the chat template writes `<tool_call>`, else none).
+    #[arg(long, env = "MMSERVE_TOOL_CALL_PARSER", value_enum, default_value = "auto")]
+    pub tool_call_parser: tools::ToolParser,
 }
 
 /// Bounds on the load one api process takes (also flags of `serve`).
@@ -271,6 +277,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         Some(given) => chat_template_arg(given)?,
         None => dir.chat_template()?.ok_or(mmserve_text::TextError::NoChatTemplate)?,
     };
+    let tool_parser = args.prompt.tool_call_parser.resolve(&source);
     let template = ChatTemplate::new(source, &tokenizer)?;
     let pp = dir.optional_json("preprocessor_config.json")?.ok_or(ApiServiceError::NoPreprocessor)?;
     let (model_media, item_token) = match &dir.config {
@@ -373,6 +380,7 @@ pub async fn build_state(args: &ApiArgs) -> Result<Arc<AppState>, ApiServiceErro
         state.literal_marks = Some(prompt::LiteralMarks::new(nonce));
     }
     state.truncation = args.long_truncation_mode;
+    state.tool_parser = tool_parser;
     state.aliases = names.into_iter().skip(1).collect();
     Ok(Arc::new(state))
 }

@@ -65,6 +65,14 @@ pub struct ChatRequest {
     /// never split.
     #[serde(default)]
     pub truncate_prompt_tokens: Option<i64>,
+    /// OpenAI's function tools and the choice among them (see `tools.rs`).
+    #[serde(default)]
+    pub tools: Option<Value>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    /// `false`: at most one tool call.
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// `/v1/completions`: the prompt as given, instead of `messages` and the template.
     #[serde(skip)]
     pub raw_prompt: Option<RawPrompt>,
@@ -76,18 +84,8 @@ pub struct ChatRequest {
 
 /// Fields of OpenAI's chat completion request that mmserve does not implement: a request
 /// with one is refused (400, naming it) rather than answered as if it were honoured.
-pub const UNSUPPORTED: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "audio",
-    "modalities",
-    "prediction",
-    "web_search_options",
-    "reasoning_effort",
-];
+pub const UNSUPPORTED: &[&str] =
+    &["functions", "function_call", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort"];
 
 /// The fields that ask for structured output: OpenAI's `response_format`, vLLM's
 /// `structured_outputs` and its older `guided_*` spellings.
@@ -264,8 +262,10 @@ impl ChatRequest {
                 body.insert("top_logprobs".into(), k.into());
             }
         }
-        if body.contains_key("messages") {
-            return Err(bad("messages", "a completion request has a `prompt`, not `messages`"));
+        for field in ["messages", "tools", "tool_choice"] {
+            if body.get(field).is_some_and(|v| !v.is_null()) {
+                return Err(bad(field, &format!("a completion request has a `prompt`, not `{field}`")));
+            }
         }
         body.insert("messages".into(), Value::Array(Vec::new()));
         if !body.contains_key("max_tokens") && !body.contains_key("max_completion_tokens") {
@@ -283,7 +283,16 @@ pub fn text_completion(c: ChatCompletion) -> Value {
     let choices: Vec<Value> = c
         .choices
         .into_iter()
-        .map(|ch| completion_choice(ch.index, ch.message.content, ch.logprobs, ch.finish_reason, ch.token_ids, 0))
+        .map(|ch| {
+            completion_choice(
+                ch.index,
+                ch.message.content.unwrap_or_default(),
+                ch.logprobs,
+                ch.finish_reason,
+                ch.token_ids,
+                0,
+            )
+        })
         .collect();
     let mut v = serde_json::json!({
         "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
@@ -366,6 +375,14 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant message's calls (OpenAI's form: `arguments` as JSON text).
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A `tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -506,7 +523,10 @@ pub struct TopLogprob {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<crate::tools::ToolCall>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -536,6 +556,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<crate::tools::CallDelta>>,
 }
 
 #[cfg(test)]

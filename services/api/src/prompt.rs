@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 
 use crate::error::ApiError;
 use crate::openai::{AudioSource, Content, Message, Part, parse_part};
+use crate::tools::calls_for_template;
 
 /// A media item of the request, where its bytes are.
 #[derive(Debug, Clone)]
@@ -94,8 +95,20 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
     let mut items = Vec::new();
     let mut text_bytes = 0usize;
     for (i, m) in messages.iter().enumerate() {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer") {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
             return Err(ApiError::bad_param("messages", format!("messages[{i}]: unsupported role {:?}", m.role)));
+        }
+        let at = format!("messages[{i}]");
+        let calls = match (&m.tool_calls, m.role.as_str()) {
+            (None, _) => None,
+            (Some(Value::Null), _) => None,
+            (Some(c), "assistant") => Some(calls_for_template(c, &at).map_err(|e| ApiError::bad_param("messages", e))?),
+            (Some(_), _) => {
+                return Err(ApiError::bad_param("messages", format!("{at}: only assistant messages have tool_calls")));
+            }
+        };
+        if m.role == "tool" && m.tool_call_id.is_none() {
+            return Err(ApiError::bad_param("messages", format!("{at}: a tool message needs `tool_call_id`")));
         }
         // Templates written for multimodal models iterate over parts, so text becomes
         // a list of one text part.
@@ -128,7 +141,17 @@ pub fn parse_messages(messages: &[Message]) -> Result<ParsedMessages, ApiError> 
                 v
             }
         };
-        out.push(json!({"role": m.role, "content": parts}));
+        let mut message = json!({"role": m.role, "content": parts});
+        if let Some(calls) = calls {
+            message["tool_calls"] = calls;
+        }
+        if let Some(id) = &m.tool_call_id {
+            message["tool_call_id"] = json!(id);
+        }
+        if let Some(name) = &m.name {
+            message["name"] = json!(name);
+        }
+        out.push(message);
     }
     Ok(ParsedMessages { template_messages: Value::Array(out), items, text_bytes })
 }
@@ -155,10 +178,11 @@ pub fn tokenize(
     template: &ChatTemplate,
     tokenizer: &TextTokenizer,
     messages: &Value,
+    tools: Option<&Value>,
     marks: Option<&LiteralMarks>,
     add_generation_prompt: bool,
 ) -> Result<Vec<u32>, ApiError> {
-    let text = template.render(messages, add_generation_prompt).map_err(|e| ApiError::bad(e.to_string()))?;
+    let text = template.render(messages, tools, add_generation_prompt).map_err(|e| ApiError::bad(e.to_string()))?;
     let pieces = match marks {
         Some(m) => m.split(&text)?,
         None => vec![(text.as_str(), false)],

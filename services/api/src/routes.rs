@@ -22,6 +22,7 @@ use crate::generate::{Started, start};
 use crate::metrics::{self as m, ChoiceMeter};
 use crate::openai::*;
 use crate::state::AppState;
+use crate::tools::{self, Piece};
 use axum::Extension;
 use metrics::counter;
 
@@ -298,10 +299,19 @@ async fn collect(
         }
         started.guard.mark_finished(*request_id);
         completion += tokens.len() as u64;
+        let mut reader = started.tools.as_ref().map(|t| t.reader(call_ids(&id, index)));
+        let message = match reader.as_mut() {
+            None => AssistantMessage { role: "assistant", content: Some(text), tool_calls: None },
+            Some(r) => {
+                let (content, calls) = tools::gather(tools::read(Some(r), text, true));
+                AssistantMessage { role: "assistant", content, tool_calls: (!calls.is_empty()).then_some(calls) }
+            }
+        };
+        let reason = finish_name(&finish);
         choices.push(Choice {
             index: index as u32,
-            message: AssistantMessage { role: "assistant", content: text },
-            finish_reason: Some(finish_name(&finish)),
+            message,
+            finish_reason: Some(reader.map_or(reason, |r| r.finish_reason(reason))),
             logprobs,
             token_ids: return_ids.then_some(tokens),
         });
@@ -315,6 +325,20 @@ async fn collect(
         usage: usage(&started, completion, cached),
         prompt_token_ids: return_ids.then(|| started.prompt_ids.clone()),
     })
+}
+
+/// The ids of a choice's tool calls, before their index.
+fn call_ids(completion_id: &str, choice: usize) -> String {
+    let unique = completion_id.rsplit('-').next().unwrap_or(completion_id);
+    format!("call_{unique}_{choice}_")
+}
+
+/// A chunk's delta for a piece of output.
+fn delta(piece: Piece) -> Delta {
+    match piece {
+        Piece::Content(text) => Delta { content: Some(text), ..Delta::default() },
+        Piece::Call(call) => Delta { tool_calls: Some(vec![call]), ..Delta::default() },
+    }
 }
 
 /// What the SSE stream carries between frames.
@@ -334,6 +358,8 @@ struct StreamState {
     kind: Kind,
     /// Characters of each choice's text so far (completions' logprob offsets).
     offsets: Vec<usize>,
+    /// Each choice's reader of tool calls (with tools).
+    readers: Vec<Option<tools::Reader>>,
     /// Choices not finished yet.
     open: usize,
     id: String,
@@ -419,6 +445,7 @@ fn stream(
         events.push(s.map(move |ev| (index, ev)).boxed());
     }
     let open = ids.len();
+    let s_tools = started.tools.clone();
     let mut s = StreamState {
         state,
         started,
@@ -429,6 +456,7 @@ fn stream(
         log,
         kind,
         offsets: vec![0; open],
+        readers: (0..open).map(|i| s_tools.as_ref().map(|t| t.reader(call_ids(&id, i)))).collect(),
         open,
         id,
         created: now(),
@@ -441,7 +469,7 @@ fn stream(
     for index in (0..open).filter(|_| kind == Kind::Chat) {
         let first = s.chunk(
             index,
-            Delta { role: Some("assistant"), content: Some(String::new()) },
+            Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
             None,
             ChunkExtra::default(),
         );
@@ -500,8 +528,14 @@ impl StreamState {
         };
         let Some(reason) = ev.finish else {
             // (an event without a finish: the meter saw its token above)
-            if !ev.text.is_empty() || extra.logprobs.is_some() || self.return_ids {
-                let frame = self.chunk(index, Delta { role: None, content: Some(ev.text) }, None, extra);
+            let pieces = tools::read(self.readers.get_mut(index).and_then(Option::as_mut), ev.text, false);
+            let mut extra = Some(extra);
+            for p in pieces {
+                let frame = self.chunk(index, delta(p), None, extra.take().unwrap_or_default());
+                self.pending.push_back(frame);
+            }
+            if let Some(extra) = extra.filter(|e| e.logprobs.is_some() || self.return_ids) {
+                let frame = self.chunk(index, Delta { content: Some(String::new()), ..Delta::default() }, None, extra);
                 self.pending.push_back(frame);
             }
             return;
@@ -523,8 +557,18 @@ impl StreamState {
         if let Some(&request_id) = self.choice_ids.get(index) {
             self.started.guard.mark_finished(request_id);
         }
-        let content = (!ev.text.is_empty()).then_some(ev.text);
-        let last = self.chunk(index, Delta { role: None, content }, Some(finish_name(&reason)), extra);
+        let mut reader = self.readers.get_mut(index).and_then(Option::take);
+        let mut pieces = tools::read(reader.as_mut(), ev.text, true);
+        // The last piece goes with the finish; each piece before it is a chunk.
+        let last = pieces.pop().map_or_else(Delta::default, delta);
+        let mut extra = Some(extra);
+        for p in pieces {
+            let frame = self.chunk(index, delta(p), None, extra.take().unwrap_or_default());
+            self.pending.push_back(frame);
+        }
+        let reason = finish_name(&reason);
+        let reason = reader.map_or(reason, |r| r.finish_reason(reason));
+        let last = self.chunk(index, last, Some(reason), extra.unwrap_or_default());
         self.pending.push_back(last);
         self.open -= 1;
         if self.open > 0 {

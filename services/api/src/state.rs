@@ -50,6 +50,8 @@ pub struct AppState {
     pub grammars: Arc<mmserve_grammar::Grammars>,
     /// What happens to a prompt past the context (`--long-truncation-mode`).
     pub truncation: crate::truncate::TruncationMode,
+    /// How the model's own tool calls are read (resolved against the chat template).
+    pub tool_parser: crate::tools::ToolParser,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -111,6 +113,7 @@ impl AppState {
             grammars,
             aliases: Vec::new(),
             truncation: crate::truncate::TruncationMode::None,
+            tool_parser: crate::tools::ToolParser::None,
         }
     }
 

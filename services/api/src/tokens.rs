@@ -36,6 +36,9 @@ struct TokenizeRequest {
     return_token_strs: bool,
     #[serde(default)]
     mm_processor_kwargs: Option<Map<String, Value>>,
+    /// Rendered by the chat template, as for a chat request.
+    #[serde(default)]
+    tools: Option<Value>,
     #[serde(flatten)]
     other: Map<String, Value>,
 }
@@ -70,6 +73,9 @@ async fn tokenize_inner(state: &Arc<AppState>, body: &[u8]) -> Result<Value, Api
         serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid tokenize request: {e}")))?;
     check(&req.model, &req.other, state)?;
     let tokens = match (&req.prompt, &req.messages) {
+        (Some(_), None) if req.tools.as_ref().is_some_and(|t| !t.is_null()) => {
+            return Err(ApiError::bad_param("tools", "`tools` go with `messages`, not a `prompt`"));
+        }
         (Some(prompt), None) => {
             crate::prompt::check_text_fits(prompt.len(), state.tokenizer.max_token_bytes(), state.max_model_len)?;
             let (st, text, special) = (state.clone(), prompt.clone(), req.add_special_tokens.unwrap_or(true));
@@ -86,8 +92,17 @@ async fn tokenize_inner(state: &Arc<AppState>, body: &[u8]) -> Result<Value, Api
                     "with `messages`, the chat template writes the special tokens",
                 ));
             }
-            let (sources, ids) =
-                crate::generate::chat_prompt_ids(state, messages, req.add_generation_prompt, true).await?;
+            let none = Value::from("none");
+            let tools = crate::tools::Tools::parse(req.tools.as_ref(), Some(&none), state.tool_parser)
+                .map_err(|(field, why)| ApiError::bad_param(field, why))?;
+            let (sources, ids) = crate::generate::chat_prompt_ids(
+                state,
+                messages,
+                tools.as_ref().map(|t| &t.list),
+                req.add_generation_prompt,
+                true,
+            )
+            .await?;
             let custom = RequestMedia::from_kwargs(req.mm_processor_kwargs.as_ref(), &state.limits, &state.model_name)?;
             let (limits, fingerprint) = match &custom {
                 Some(c) => (&c.limits, c.fingerprint.as_str()),
