@@ -4,6 +4,8 @@
 //! counters in `/metrics`), and time to first token for a repeated image prompt: first
 //! sight, repeats with the prefix cache, and repeats without it (a second server with
 //! `--no-prefix-cache`), so the prefix cache's share of the speed-up is its own line.
+//! With `--constrained 0,50,100` each throughput run is repeated with that share of its
+//! requests under a JSON schema (structured outputs), beside the unconstrained baseline.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -48,6 +50,10 @@ pub struct EngineBench {
     /// Nucleus mass of the throughput and burst requests (with `--temperature`).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Shares of the throughput requests under a JSON schema, in percent, comma-separated:
+    /// each throughput run is repeated at each share.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub constrained: Vec<u32>,
     /// More flags for `mmserve serve` (e.g. `--serve-arg=--block-size=32`).
     #[arg(long = "serve-arg", allow_hyphen_values = true)]
     pub serve_args: Vec<String>,
@@ -127,6 +133,40 @@ struct Counters {
     schedule: f64,
     step: f64,
     prefix_hits: f64,
+}
+
+/// The constrained requests' schema: nested objects, arrays of a fixed length, enums,
+/// bounded numbers and patterns, long enough that the output runs to `max_tokens`.
+fn bench_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "customer": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": 24},
+                "tier": {"enum": ["free", "pro", "enterprise"]},
+                "since": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}
+            }, "required": ["name", "tier", "since"], "additionalProperties": false},
+            "items": {"type": "array", "minItems": 12, "maxItems": 12, "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "price": {"type": "number", "minimum": 0, "maximum": 1000},
+                    "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["new", "sale", "gift", "bulk"]}}
+                },
+                "required": ["sku", "qty", "price", "tags"], "additionalProperties": false
+            }},
+            "paid": {"type": "boolean"}
+        },
+        "required": ["customer", "items", "paid"],
+        "additionalProperties": false
+    })
+}
+
+/// Whether request `i` of a run is constrained at `share` percent: spread evenly.
+fn constrained(i: usize, share: u32) -> bool {
+    let share = share.min(100) as usize;
+    (i + 1) * share / 100 > i * share / 100
 }
 
 fn text_body(model: &str, content: &str, max_tokens: u32, (temperature, top_p): (f32, f32)) -> Value {
@@ -283,23 +323,37 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
             }
         );
         println!(
-            "{:>8} {:>9} {:>12} {:>10} {:>14} {:>14} {:>10}",
-            "clients", "requests", "output tok/s", "seconds", "step (ms)", "schedule (µs)", "sched %"
+            "{:>8} {:>12} {:>9} {:>12} {:>10} {:>14} {:>10} {:>14} {:>10}",
+            "clients",
+            "constrained",
+            "requests",
+            "output tok/s",
+            "seconds",
+            "step (ms)",
+            "vs 0%",
+            "schedule (µs)",
+            "sched %"
         );
     }
     let mut next = 1usize;
-    for &c in &b.clients {
+    let mut baseline_step = std::collections::HashMap::new();
+    let shares = if b.constrained.is_empty() { vec![0] } else { b.constrained.clone() };
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "order", "schema": bench_schema()}});
+    for (&c, &share) in b.clients.iter().flat_map(|c| shares.iter().map(move |s| (c, s))) {
         let before = client.metrics().await?;
         let t0 = Instant::now();
         let tasks = (0..c).map(|k| {
             let client = &client;
-            let name = &name;
+            let (name, schema) = (&name, &schema);
             let first = next + k * b.rounds;
             async move {
                 let mut tokens = 0u64;
                 for r in 0..b.rounds {
-                    let body =
+                    let mut body =
                         text_body(name, &prompt_text(first + r, filler), b.output_tokens, (b.temperature, b.top_p));
+                    if constrained(k * b.rounds + r, share) {
+                        body["response_format"] = schema.clone();
+                    }
                     let v = client.chat(&body).await?;
                     tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                 }
@@ -314,17 +368,25 @@ pub async fn run(b: EngineBench) -> anyhow::Result<()> {
         let steps = (after.steps - before.steps).max(1.0);
         let step_ms = (after.step - before.step) / steps * 1e3;
         let sched_us = (after.schedule - before.schedule) / steps * 1e6;
-        let share = 100.0 * (after.schedule - before.schedule) / (after.step - before.step).max(1e-12);
         let tps = tokens as f64 / seconds;
+        // Time per output token against the unconstrained run at the same concurrency.
+        if share == 0 {
+            baseline_step.insert(c, step_ms);
+        }
+        let ratio = baseline_step.get(&c).map_or(f64::NAN, |base| step_ms / base);
+        let sched_share = 100.0 * (after.schedule - before.schedule) / (after.step - before.step).max(1e-12);
         if b.json {
             println!(
                 "{}",
-                json!({"clients": c, "requests": c * b.rounds, "output_tokens_per_s": tps, "seconds": seconds,
-                       "step_ms": step_ms, "schedule_us_per_step": sched_us, "schedule_share": share / 100.0})
+                json!({"clients": c, "constrained_percent": share, "requests": c * b.rounds,
+                       "output_tokens_per_s": tps, "seconds": seconds, "step_ms": step_ms,
+                       "step_vs_unconstrained": ratio, "schedule_us_per_step": sched_us,
+                       "schedule_share": sched_share / 100.0})
             );
         } else {
             println!(
-                "{c:>8} {:>9} {tps:>12.0} {seconds:>10.2} {step_ms:>14.3} {sched_us:>14.1} {share:>9.1}%",
+                "{c:>8} {:>11}% {:>9} {tps:>12.0} {seconds:>10.2} {step_ms:>14.3} {ratio:>9.3}× {sched_us:>14.1} {sched_share:>9.1}%",
+                share,
                 c * b.rounds
             );
         }

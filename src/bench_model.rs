@@ -515,6 +515,7 @@ fn parity(
     fused_differing.extend(mmserve_ops::decoder_fused::self_test(&device)?);
     fused_differing.extend(mmserve_ops::arena_rows::self_test(&device)?);
     fused_differing.extend(mmserve_ops::sampling::self_test(&device)?);
+    fused_differing.extend(mmserve_ops::token_mask::self_test(&device)?);
     fused_differing.extend(mmserve_ops::skinny::self_test(&device)?);
     fused_differing.extend(mmserve_ops::flash_attention::self_test(&device)?);
     fused_differing.extend(mmserve_ops::layer_norm::self_test(&device)?);

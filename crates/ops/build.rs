@@ -32,6 +32,7 @@ fn main() {
         "row_copy",
         "sampling",
         "skinny",
+        "token_mask",
     ] {
         compile(name, &format!("compute_{cap}"));
     }

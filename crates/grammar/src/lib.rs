@@ -186,19 +186,10 @@ impl std::fmt::Debug for Matcher {
 impl Matcher {
     /// The tokens allowed next, as bits (token t is bit t % 32 of word t / 32), over the
     /// trie's vocabulary; when the output is complete, only the end-of-sequence token.
+    /// `mmserve_ops::token_mask` applies it, on the host or where the logits are.
     pub fn mask(&mut self) -> Result<Vec<u32>, GrammarError> {
         let vob = self.inner.compute_mask_or_eos().map_err(|e| GrammarError::Matcher(e.to_string()))?;
         Ok(vob.as_slice().to_vec())
-    }
-
-    /// Sets every logit `mask` disallows to -inf (tokens past the trie's vocabulary too).
-    pub fn apply(mask: &[u32], logits: &mut [f32]) {
-        for (t, l) in logits.iter_mut().enumerate() {
-            let allowed = mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
-            if !allowed {
-                *l = f32::NEG_INFINITY;
-            }
-        }
     }
 
     /// Follows the sampled `token`. Returns whether the output is complete (nothing but

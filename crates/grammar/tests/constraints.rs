@@ -32,7 +32,11 @@ fn run(m: &mut Matcher, vocab: usize, eos: u32, seed: u64) -> Vec<u32> {
             })
             .collect();
         let mask = m.mask().unwrap();
-        Matcher::apply(&mask, &mut logits);
+        for (t, l) in logits.iter_mut().enumerate() {
+            if !mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
         let token = (0..vocab).max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a))).unwrap() as u32;
         assert!(logits[token as usize].is_finite(), "the mask allowed nothing");
         if token == eos {

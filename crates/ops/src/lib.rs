@@ -26,6 +26,7 @@ mod pdl;
 pub mod row_copy;
 pub mod sampling;
 pub mod skinny;
+pub mod token_mask;
 
 pub use arena_rows::{ArenaRows, slot_source, text_source};
 pub use error::OpError;

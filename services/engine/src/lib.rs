@@ -12,6 +12,7 @@
 pub mod admission;
 mod inputs;
 pub mod kv;
+mod masks;
 mod model_loop;
 mod outbox;
 mod output;

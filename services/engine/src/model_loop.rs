@@ -13,6 +13,7 @@ use mmserve_arena::ArenaView;
 use mmserve_models::MropePositions;
 use mmserve_protocol::{FinishReason, GenerateRequest, RequestTiming};
 
+use crate::masks::{MaskJob, MaskPool, apply_on_device};
 use crate::output::{Detok, OutputProcessor};
 use crate::runner::{Batch, BatchSeq, ModelRunner};
 use crate::sampler::{Next, Pick, SamplingState, next_tokens, pick};
@@ -85,6 +86,7 @@ pub struct ModelLoop<R> {
     pub sched: Scheduler<SeqState>,
     pub output: OutputProcessor,
     pub counts: Arc<Counts>,
+    pub masks: MaskPool,
 }
 
 fn restarted() -> FinishReason {
@@ -185,7 +187,7 @@ impl<R: ModelRunner> ModelLoop<R> {
             let computed = seq.computed();
             seq.state.clock.scheduled(now, computed);
         }
-        let next = match self.forward(&plan) {
+        let (next, masks) = match self.forward(&plan) {
             Ok(next) => next,
             Err(message) => {
                 tracing::error!("forward step failed: {message}");
@@ -196,16 +198,16 @@ impl<R: ModelRunner> ModelLoop<R> {
             }
         };
         let mut finished = Vec::new();
-        for (planned, next) in plan.iter().zip(next) {
+        for ((planned, next), mask) in plan.iter().zip(next).zip(masks) {
             if !self.sched.advance(planned) {
                 continue; // a prefill chunk short of the prompt's end
             }
             for f in self.sched.fork_followers(planned.index) {
-                if self.emit(f, next.clone()) {
+                if self.emit(f, next.clone(), None) {
                     finished.push(f);
                 }
             }
-            if self.emit(planned.index, next) {
+            if self.emit(planned.index, next, mask.as_deref()) {
                 finished.push(planned.index);
             }
         }
@@ -213,8 +215,43 @@ impl<R: ModelRunner> ModelLoop<R> {
         self.counts.stepped(prefill, schedule_time, t0.elapsed());
     }
 
-    /// The plan on the runner, then where each row's next token comes from.
-    fn forward(&mut self, plan: &[Planned]) -> Result<Vec<Next>, String> {
+    /// The plan on the runner, then where each row's next token comes from, with the
+    /// constraint masks made for the step (made while the model ran).
+    fn forward(&mut self, plan: &[Planned]) -> Result<(Vec<Next>, Vec<Option<Vec<u32>>>), String> {
+        let on_device = self.runner.samples_on_device();
+        let running = self.sched.running();
+        let picks: Vec<Pick> = plan
+            .iter()
+            .map(|p| {
+                let s = &running[p.index];
+                let emits = s.computed() + p.n >= s.num_tokens();
+                let siblings = s.followers().iter().map(|f| (&f.req.params, &f.state.sampling));
+                pick(&s.req.params, &s.state.sampling, siblings, emits, on_device)
+            })
+            .collect();
+        // Constrained rows that emit alone lend their matchers to the mask pool (a row with
+        // siblings is masked per sibling on the host, when it is chosen).
+        let mut jobs = Vec::new();
+        for (row, p) in plan.iter().enumerate() {
+            let s = &mut self.sched.running_mut()[p.index];
+            if s.computed() + p.n >= s.num_tokens() && s.followers().is_empty() {
+                if let Some(m) = s.state.sampling.grammar.take() {
+                    jobs.push(MaskJob::new(row, m));
+                }
+            }
+        }
+        let logits = self.run_batch(plan, &mut jobs);
+        let mut masks = vec![None; plan.len()];
+        for mut job in jobs {
+            masks[job.row] = job.take_mask();
+            self.sched.running_mut()[plan[job.row].index].state.sampling.grammar = Some(job.matcher);
+        }
+        let logits = apply_on_device(logits?, &picks, &masks)?;
+        Ok((next_tokens(&logits, &picks).map_err(|e| e.to_string())?, masks))
+    }
+
+    /// The model on the plan, while the jobs' masks are made.
+    fn run_batch(&mut self, plan: &[Planned], jobs: &mut [MaskJob]) -> Result<candle_core::Tensor, String> {
         let running = self.sched.running();
         let mut batch = Batch { seqs: Vec::with_capacity(plan.len()), copies: Vec::new() };
         for p in plan {
@@ -230,25 +267,15 @@ impl<R: ModelRunner> ModelLoop<R> {
             });
             batch.copies.extend(p.copy);
         }
-        let on_device = self.runner.samples_on_device();
-        let picks: Vec<Pick> = plan
-            .iter()
-            .map(|p| {
-                let s = &running[p.index];
-                let emits = s.computed() + p.n >= s.num_tokens();
-                let siblings = s.followers().iter().map(|f| (&f.req.params, &f.state.sampling));
-                pick(&s.req.params, &s.state.sampling, siblings, emits, on_device)
-            })
-            .collect();
-        let logits = self.runner.forward(&batch)?;
-        next_tokens(&logits, &picks).map_err(|e| e.to_string())
+        let runner = &mut self.runner;
+        self.masks.overlap(jobs, || runner.forward(&batch))
     }
 
     /// Chooses running sequence `index`'s next token from `next` and publishes it.
     /// Returns whether the sequence finished.
-    fn emit(&mut self, index: usize, next: Next) -> bool {
+    fn emit(&mut self, index: usize, next: Next, mask: Option<&[u32]>) -> bool {
         let seq = &mut self.sched.running_mut()[index];
-        let (token, logprobs) = seq.state.sampling.choose(&seq.req.params, next);
+        let (token, logprobs) = seq.state.sampling.choose(&seq.req.params, next, mask);
         seq.output.push(token);
         // A constraint that is complete ends the sequence as a stop token would.
         let stop_token = seq.state.sampling.stop_ids.contains(&token) || seq.state.sampling.constraint_done;

@@ -84,10 +84,10 @@ pub fn device_samples(params: &SamplingParams, history: &History) -> bool {
     params.temperature >= GREEDY_BELOW && logits_suffice(params, history)
 }
 
-/// The model's logits alone decide: nothing to adjust or report on the host.
+/// The model's logits alone decide: nothing to adjust or report on the host. (A
+/// constraint's mask does not need the host: it is applied where the logits are.)
 fn logits_suffice(params: &SamplingParams, history: &History) -> bool {
     params.logprobs.is_none()
-        && params.constraint.is_none()
         && params.logit_bias.is_empty()
         && params.repetition_penalty == 1.0
         && params.presence_penalty == 0.0
@@ -181,6 +181,8 @@ pub struct SamplingState {
     pub grammar: Option<mmserve_grammar::Matcher>,
     /// The constraint is complete (or failed): the sequence ends with this token.
     pub constraint_done: bool,
+    /// The logits' width (the model's vocabulary).
+    vocab: usize,
 }
 
 impl SamplingState {
@@ -199,6 +201,7 @@ impl SamplingState {
             stop_ids,
             grammar: None,
             constraint_done: false,
+            vocab,
         }
     }
 
@@ -209,18 +212,25 @@ impl SamplingState {
     }
 
     /// The token `next` stands for, with its log-probabilities when asked; advances the
-    /// generator by exactly the draws made, wherever they were made.
-    pub fn choose(&mut self, params: &SamplingParams, next: Next) -> (u32, Option<TokenLogprobs>) {
+    /// generator by exactly the draws made, wherever they were made. `mask`: the
+    /// constraint's mask made for this step (applied already where the device picked);
+    /// without it a constrained sequence makes its own.
+    pub fn choose(
+        &mut self,
+        params: &SamplingParams,
+        next: Next,
+        mask: Option<&[u32]>,
+    ) -> (u32, Option<TokenLogprobs>) {
         let (token, lps) = match next {
-            Next::Greedy(token) => (token, None),
+            Next::Greedy(token) => (self.unless_nothing_allowed(mask).unwrap_or(token), None),
             Next::Sampled(token) => {
                 self.rng.next_f64(); // the draw the device used
-                (token, None)
+                (self.unless_nothing_allowed(mask).unwrap_or(token), None)
             }
             Next::Logits(mut row) => {
                 let raw = params.logprobs.map(|_| row.clone());
                 adjust(&mut row, params, &self.history, &self.stop_ids);
-                let token = match self.constrain(&mut row) {
+                let token = match self.constrain(&mut row, mask) {
                     Some(token) => token,
                     None => sample(&row, params, &mut self.rng),
                 };
@@ -241,20 +251,32 @@ impl SamplingState {
         (token, lps)
     }
 
-    /// Masks `row` to the tokens the constraint allows. `Some(token)` when the choice is
-    /// made already: nothing is allowed (the constraint failed, or `min_tokens` hides the
-    /// end it requires), so the sequence ends with its first stop id.
-    fn constrain(&mut self, row: &mut [f32]) -> Option<u32> {
+    /// Masks `row` to the tokens the constraint allows (by `mask`, else by a mask made
+    /// now). `Some(token)` when the choice is made already: nothing is allowed (the
+    /// constraint failed, or `min_tokens` hides the end it requires), so the sequence ends.
+    fn constrain(&mut self, row: &mut [f32], mask: Option<&[u32]>) -> Option<u32> {
         let g = self.grammar.as_mut()?;
-        match g.mask() {
-            Ok(mask) => mmserve_grammar::Matcher::apply(&mask, row),
+        match mask.map(|m| Ok(m.to_vec())).unwrap_or_else(|| g.mask()) {
+            Ok(mask) => mmserve_ops::token_mask::mask_row(row, &mask),
             Err(e) => tracing::warn!("masking a constrained sequence: {e}"),
         }
         if row.iter().any(|l| l.is_finite()) {
             return None;
         }
+        Some(self.end_constraint())
+    }
+
+    /// A device pick under a mask that allowed nothing (the device chose among -inf): the
+    /// sequence ends instead.
+    fn unless_nothing_allowed(&mut self, mask: Option<&[u32]>) -> Option<u32> {
+        let mask = mask.filter(|_| self.grammar.is_some())?;
+        (!mmserve_ops::token_mask::allows_any(mask, self.vocab)).then(|| self.end_constraint())
+    }
+
+    /// Ends a constrained sequence whose grammar allows nothing: its first stop id.
+    fn end_constraint(&mut self) -> u32 {
         self.constraint_done = true;
-        Some(self.stop_ids.first().copied().unwrap_or_default())
+        self.stop_ids.first().copied().unwrap_or_default()
     }
 }
 
@@ -286,9 +308,13 @@ pub fn pick<'a>(
     on_device: bool,
 ) -> Pick {
     let has_siblings = siblings.clone().next().is_some();
-    if !emits
-        || (argmax_decides(params, &state.history) && siblings.clone().all(|(p, s)| argmax_decides(p, &s.history)))
-    {
+    // Siblings share one row but each has its own constraint's mask: the host applies them.
+    let constrained = state.grammar.is_some() || siblings.clone().any(|(_, s)| s.grammar.is_some());
+    if !emits {
+        Pick::Argmax
+    } else if has_siblings && constrained {
+        Pick::Host
+    } else if argmax_decides(params, &state.history) && siblings.clone().all(|(p, s)| argmax_decides(p, &s.history)) {
         Pick::Argmax
     } else if on_device && !has_siblings && device_samples(params, &state.history) {
         Pick::Draw(device_settings(params, &state.rng))

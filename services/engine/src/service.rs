@@ -141,6 +141,7 @@ impl EngineService {
             sched,
             output: OutputProcessor { tokenizer, outbox: outbox.clone() },
             counts: counts.clone(),
+            masks: crate::masks::MaskPool::new(),
         };
         mmserve_protocol::ready::spawn_vital("engine-model", move || model_loop.run(rx))
             .expect("spawning the model thread");

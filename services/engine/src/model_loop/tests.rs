@@ -85,6 +85,7 @@ impl Harness {
             sched,
             output: OutputProcessor { tokenizer, outbox: Arc::new(Outbox::default()) },
             counts: Arc::new(Counts::default()),
+            masks: crate::masks::MaskPool::new(),
         };
         Harness { l, _arenas: (embed, data) }
     }
@@ -350,4 +351,81 @@ fn a_seeded_request_samples_the_same_alone_or_among_others() {
     crowd.run(500, &mut log);
     assert_eq!(ids(&log[&1]), want);
     assert_eq!(want.len(), 12);
+}
+
+/// A constrained sequence decodes the same whether its mask is made on the mask pool and
+/// applied where the logits are (the device pick) or applied by the host sampler (asking
+/// for logprobs keeps the row on the host), alone, preempted in a crowd, or as one of
+/// sibling choices; its text always matches, and unconstrained neighbours are unchanged.
+#[test]
+fn constrained_sequences_decode_alike_on_every_path() {
+    use mmserve_protocol::Constraint;
+    let dir = model_dir();
+    let eos = TextTokenizer::from_dir(&dir).expect("tokenizer").eos_ids()[0];
+    let grammars = mmserve_grammar::Grammars::new(&dir, eos).expect("grammars");
+    let regex = Constraint::Regex("[a-z]{2,6}( [a-z]{2,6}){2,4}\\.".into());
+    let matches = |text: &str| {
+        let words: Vec<&str> = text.strip_suffix('.').unwrap_or("!").split(' ').collect();
+        (3..=5).contains(&words.len())
+            && words.iter().all(|w| (2..=6).contains(&w.len()) && w.chars().all(|c| c.is_ascii_lowercase()))
+    };
+    let prompt = random_prompt(&mut Rng::new(11), 17);
+    let params = |seed: u64, host: bool, temperature: f32| SamplingParams {
+        max_tokens: 48,
+        temperature,
+        seed: Some(seed),
+        logprobs: host.then_some(1),
+        constraint: Some(regex.clone()),
+        ..Default::default()
+    };
+    let setup = |num_blocks| Setup { num_blocks, block_size: 4, chunk: 16, max_running: 16, expected_output: Some(2) };
+    let ids = |events: &[OutputEvent]| events.iter().filter_map(|e| e.token_id).collect::<Vec<_>>();
+    let text = |events: &[OutputEvent]| events.iter().map(|e| e.text.as_str()).collect::<String>();
+    let submit = |h: &mut Harness, req: GenerateRequest| {
+        let m = grammars.matcher(req.params.constraint.as_ref().expect("constrained")).expect("matcher");
+        h.l.apply(Command::Submit(vec![(req, Some(m))]));
+    };
+    let mut alone = Vec::new();
+    for (seed, temperature) in [(0, 0.0), (1, 1.0), (2, 1.0), (3, 0.8)] {
+        let mut runs = Vec::new();
+        for host in [false, true] {
+            let mut h = Harness::new(setup(128));
+            submit(&mut h, request(1, prompt.clone(), params(seed, host, temperature)));
+            let mut log = HashMap::new();
+            h.run(200, &mut log);
+            assert_eq!(finishes(&log)[&1], FinishReason::Stop, "seed {seed}: {}", text(&log[&1]));
+            assert!(matches(&text(&log[&1])), "seed {seed} host {host}: {:?}", text(&log[&1]));
+            runs.push(ids(&log[&1]));
+        }
+        assert_eq!(runs[0], runs[1], "seed {seed}: the device and the host paths differ");
+        alone.push(runs.remove(0));
+    }
+    // In a crowd too small for all (preemption), beside unconstrained requests, and the
+    // sampled ones also as sibling choices of one request.
+    let plain = SamplingParams { max_tokens: 10, temperature: 0.0, ignore_eos: true, ..Default::default() };
+    let mut solo = Harness::new(setup(128));
+    solo.submit(request(50, random_prompt(&mut Rng::new(3), 9), plain.clone()));
+    let mut log = HashMap::new();
+    solo.run(200, &mut log);
+    let plain_alone = ids(&log[&50]);
+    let mut crowd = Harness::new(setup(20));
+    crowd.submit(request(50, random_prompt(&mut Rng::new(3), 9), plain));
+    for (k, (seed, temperature)) in [(0, 0.0), (1, 1.0), (2, 1.0), (3, 0.8)].into_iter().enumerate() {
+        submit(&mut crowd, request(10 + k as u64, prompt.clone(), params(seed, k % 2 == 1, temperature)));
+    }
+    for (k, seed) in [1u64, 2].into_iter().enumerate() {
+        let mut req = request(30 + k as u64, prompt.clone(), params(seed, false, 1.0));
+        req.sibling_of = (k > 0).then_some(30);
+        submit(&mut crowd, req);
+    }
+    let mut log = HashMap::new();
+    crowd.run(2000, &mut log);
+    assert!(crowd.stats().preemptions > 0, "the crowd was meant to preempt");
+    for k in 0..4 {
+        assert_eq!(ids(&log[&(10 + k as u64)]), alone[k], "request {k} in the crowd");
+    }
+    assert_eq!(ids(&log[&30]), alone[1]);
+    assert_eq!(ids(&log[&31]), alone[2]);
+    assert_eq!(ids(&log[&50]), plain_alone, "the unconstrained neighbour");
+    assert_eq!(crowd.l.sched.blocks().num_used_blocks(), 0);
 }
