@@ -25,6 +25,11 @@ pub enum Bench {
     Model(crate::bench_model::ModelBench),
     /// `mmserve caption` over generated images, at several concurrencies.
     Caption(crate::bench_caption::CaptionBench),
+    /// Any OpenAI-compatible server under load, as `vllm bench serve` measures it:
+    /// datasets with images or audio, a request rate, latency percentiles.
+    Serve(crate::bench_serve::ServeBench),
+    /// Two saved `bench serve` results side by side.
+    Compare(crate::bench_serve::CompareBench),
 }
 
 #[derive(Debug, clap::Args)]
@@ -133,6 +138,8 @@ pub async fn run(bench: Bench) -> anyhow::Result<()> {
         Bench::Caption(b) => crate::bench_caption::run(b).await,
         Bench::Engine(b) => crate::bench_engine::run(b).await,
         Bench::Model(b) => crate::bench_model::run(b),
+        Bench::Serve(b) => crate::bench_serve::run(b).await,
+        Bench::Compare(b) => crate::bench_serve::compare(b).await,
     }
 }
 

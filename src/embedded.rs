@@ -25,7 +25,12 @@ impl OwnServer {
     /// Starts it serving `model` with `extra` flags and waits (at most `wait`) until it serves.
     pub async fn start(model: &Path, extra: &[String]) -> anyhow::Result<Self> {
         let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
-        cmd.args(["serve", "--port", "0", "--model"]).arg(model).args(extra);
+        cmd.arg("serve");
+        // A free port unless the caller names one.
+        if !extra.iter().any(|a| a == "--port" || a.starts_with("--port=")) {
+            cmd.args(["--port", "0"]);
+        }
+        cmd.arg("--model").arg(model).args(extra);
         let url = |line: &str| line.strip_prefix("mmserve: serving ")?.split(" at ").nth(1).map(str::to_string);
         let (child, url) = spawn_until(cmd, "mmserve serve", Duration::from_secs(300), url).await?;
         Ok(OwnServer { child, url })

@@ -7,6 +7,7 @@ mod bench;
 mod bench_caption;
 mod bench_engine;
 mod bench_model;
+mod bench_serve;
 mod cache_cli;
 mod caption;
 mod config;

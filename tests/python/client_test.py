@@ -119,6 +119,12 @@ try:
 except openai.BadRequestError as e:
     assert e.status_code == 400 and e.body["param"] == "tool_choice", e.body
 try:
+    vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=4,
+                                   prediction={"type": "content", "content": "a guess"})
+    raise AssertionError("an unsupported field was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and e.body["param"] == "prediction", e.body
+try:
     OpenAI(base_url=f"{image_url}/v1", api_key="wrong", max_retries=0).models.list()
     raise AssertionError("a wrong key was accepted")
 except openai.AuthenticationError as e:

@@ -10,9 +10,14 @@ use crate::OpError;
 /// Sets every logit that `bits` disallows to -inf: token t is allowed when bit t % 32 of
 /// word t / 32 is set; tokens past the mask's words are not.
 pub fn mask_row(row: &mut [f32], bits: &[u32]) {
-    for (t, l) in row.iter_mut().enumerate() {
-        if !bits.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1) {
-            *l = f32::NEG_INFINITY;
+    // A word at a time: grammars allow few tokens, so most words are 0 (a fill).
+    for (k, chunk) in row.chunks_mut(32).enumerate() {
+        match bits.get(k).copied().unwrap_or(0) {
+            u32::MAX => {}
+            0 => chunk.fill(f32::NEG_INFINITY),
+            w => {
+                chunk.iter_mut().enumerate().filter(|(j, _)| w >> j & 1 == 0).for_each(|(_, l)| *l = f32::NEG_INFINITY)
+            }
         }
     }
 }
