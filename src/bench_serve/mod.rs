@@ -110,8 +110,8 @@ pub async fn compare(c: CompareBench) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A limit on a metric's percentile: `ttft_p99=300` (ms).
-fn parse_slo(text: &str) -> anyhow::Result<Vec<(String, f64)>> {
+/// Limits on metrics' percentiles: `ttft_p99=300` (ms) is (`p99_ttft_ms`, 99, 300).
+fn parse_slo(text: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
     text.split(',')
         .map(|part| {
             let (k, v) = part.split_once('=').with_context(|| format!("--slo {part:?}: metric_pNN=ms"))?;
@@ -120,13 +120,21 @@ fn parse_slo(text: &str) -> anyhow::Result<Vec<(String, f64)>> {
                 bail!("--slo {k:?}: the metrics are {}", report::METRICS.join(", "));
             }
             let p: f64 = p.parse().with_context(|| format!("--slo {k:?}: a percentile"))?;
-            Ok((format!("{}_{metric}_ms", report::pkey(p)), v.trim().parse().with_context(|| format!("--slo {v:?}"))?))
+            let limit = v.trim().parse().with_context(|| format!("--slo {v:?}"))?;
+            Ok((format!("{}_{metric}_ms", report::pkey(p)), p, limit))
         })
         .collect()
 }
 
 pub async fn run(b: ServeBench) -> anyhow::Result<()> {
     let slo = b.slo.as_deref().map(parse_slo).transpose()?;
+    // The percentiles reported, and those the SLO names.
+    let mut percentiles = b.metric_percentiles.clone();
+    for (_, p, _) in slo.iter().flatten() {
+        if !percentiles.contains(p) {
+            percentiles.push(*p);
+        }
+    }
     let extra = match &b.extra_body {
         None => serde_json::Map::new(),
         Some(t) => serde_json::from_str(t).context("--extra-body must be a JSON object")?,
@@ -188,8 +196,8 @@ pub async fn run(b: ServeBench) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let outcomes = drive(&sender, &requests, rate, b.burstiness, b.max_concurrency, b.seed, b.disable_tqdm).await;
         let duration = t0.elapsed().as_secs_f64();
-        let mut m = report::summarize(&outcomes, duration, &b.metric_percentiles);
-        report::print(&m, &b.metric_percentiles, b.max_concurrency);
+        let mut m = report::summarize(&outcomes, duration, &percentiles);
+        report::print(&m, &percentiles, b.max_concurrency);
         let settings = json!({
             "date": chrono_like_now(),
             "backend": b.endpoint.backend(),
@@ -206,7 +214,7 @@ pub async fn run(b: ServeBench) -> anyhow::Result<()> {
             "ignore_eos": b.ignore_eos,
             "temperature": b.temperature,
             "stream": !b.no_stream,
-            "percentiles": b.metric_percentiles,
+            "percentiles": percentiles,
             "server": {"version": version, "models": models},
         });
         for (k, v) in settings.as_object().expect("an object") {
@@ -214,7 +222,7 @@ pub async fn run(b: ServeBench) -> anyhow::Result<()> {
         }
         if let Some(slo) = &slo {
             let met = m["failed"].as_u64() == Some(0)
-                && slo.iter().all(|(k, limit)| m.get(k).and_then(Value::as_f64).is_some_and(|v| v <= *limit));
+                && slo.iter().all(|(k, _, limit)| m.get(k).and_then(Value::as_f64).is_some_and(|v| v <= *limit));
             println!("SLO {}: {}", b.slo.as_deref().unwrap_or(""), if met { "met" } else { "missed" });
             m.insert("slo_met".into(), json!(met));
             if met && best.is_none_or(|r| rate > r) {
