@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Preprocessing speed: mmserve against transformers' PIL processors and numpy feature
-extractor, on the same inputs, single-threaded, in one run. Run by hand (not in CI):
+"""Preprocessing speed: mmserve against transformers' processors as users have them, on
+the same inputs, single-threaded, in one run. With torch and torchvision installed (every
+vLLM and SGLang installation) transformers 5 defaults to its torchvision image backend
+and torch's STFT for Whisper; each row says which backend it timed: the default first,
+then the PIL / numpy one. Run by hand (not in CI):
 
-    python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install transformers pillow numpy soundfile
+    python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install "transformers==5.24.*" \
+        "torch==2.15.*" "torchvision==0.29.*" pillow numpy soundfile
     cargo build --release
     /tmp/hfenv/bin/python benches/preprocess/compare.py target/release/mmserve
 
@@ -27,8 +31,18 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
+import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, WhisperFeatureExtractor  # noqa: E402
+from transformers import (  # noqa: E402
+    CLIPImageProcessor,
+    CLIPImageProcessorPil,
+    Qwen2VLImageProcessor,
+    Qwen2VLImageProcessorPil,
+    WhisperFeatureExtractor,
+)
+from transformers.models.whisper import feature_extraction_whisper  # noqa: E402
+
+torch.set_num_threads(1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = [256, 512, 1024, 2048]
@@ -84,8 +98,10 @@ def time_images(proc, files):
     return per_size
 
 
-def time_audio(fe, path, n=20):
+def time_audio(fe, path, backend, n=20):
+    """`backend` "torch" (the default with torch installed) or "numpy"."""
     data = open(path, "rb").read()
+    feature_extraction_whisper.is_torch_available = lambda: backend == "torch"
 
     def work():
         wave, sr = sf.read(io.BytesIO(data), dtype="float32")
@@ -112,32 +128,41 @@ def main():
     binary = sys.argv[1] if len(sys.argv) > 1 else "target/release/mmserve"
     with tempfile.TemporaryDirectory() as d:
         files, audio = make_inputs(d)
-        print(f"{'processor':<10} {'input':<14} {'transformers/s':>15} {'mmserve/s':>10} {'ratio':>7}")
-        for name, cls, cfg in (("clip-336", CLIPImageProcessor, "clip-336"), ("qwen2-vl", Qwen2VLImageProcessor, "qwen2-vl")):
+        print(f"{'processor':<10} {'backend':<12} {'input':<14} {'transformers/s':>15} {'mmserve/s':>10} {'ratio':>7}")
+        for name, backends, cfg in (
+            ("clip-336", (("torchvision", CLIPImageProcessor), ("pil", CLIPImageProcessorPil)), "clip-336"),
+            ("qwen2-vl", (("torchvision", Qwen2VLImageProcessor), ("pil", Qwen2VLImageProcessorPil)), "qwen2-vl"),
+        ):
             cfg_path = os.path.join(HERE, "configs", cfg, "preprocessor_config.json")
-            proc = cls(**json.load(open(cfg_path)))
-            theirs, mine = {}, {}
+            procs = [(b, cls(**json.load(open(cfg_path)))) for b, cls in backends]
+            theirs, mine = {b: {} for b, _ in procs}, {}
             for _ in range(ROUNDS):
-                t = time_images(proc, files)
-                for (path, _), sec in zip(files, [x for size in SIZES for x in t[size]]):
-                    theirs[path] = min(theirs.get(path, float("inf")), sec)
+                for backend, proc in procs:
+                    t = time_images(proc, files)
+                    for (path, _), sec in zip(files, [x for size in SIZES for x in t[size]]):
+                        theirs[backend][path] = min(theirs[backend].get(path, float("inf")), sec)
                 for path, sec in ours(binary, cfg_path, [p for p, _ in files], 8).items():
                     mine[path] = min(mine.get(path, float("inf")), sec)
-            tot_t = tot_m = 0.0
-            for path, _ in files:
-                t, m = theirs[path], mine[path]
-                tot_t += t
-                tot_m += m
-                print(f"{name:<10} {os.path.basename(path):<14} {1 / t:>15.1f} {1 / m:>10.1f} {t / m:>7.2f}")
-            print(f"{name:<10} {'mix (all 8)':<14} {len(files) / tot_t:>15.1f} {len(files) / tot_m:>10.1f} {tot_t / tot_m:>7.2f}")
+            for backend, _ in procs:
+                tot_t = tot_m = 0.0
+                for path, _ in files:
+                    t, m = theirs[backend][path], mine[path]
+                    tot_t += t
+                    tot_m += m
+                    print(f"{name:<10} {backend:<12} {os.path.basename(path):<14} {1 / t:>15.1f} {1 / m:>10.1f} {t / m:>7.2f}")
+                print(f"{name:<10} {backend:<12} {'mix (all 8)':<14} {len(files) / tot_t:>15.1f} "
+                      f"{len(files) / tot_m:>10.1f} {tot_t / tot_m:>7.2f}")
         cfg_path = os.path.join(HERE, "configs", "whisper-128", "preprocessor_config.json")
         fe = WhisperFeatureExtractor(**json.load(open(cfg_path)))
-        t = m = float("inf")
+        t = {"torch": float("inf"), "numpy": float("inf")}
+        m = float("inf")
         for _ in range(ROUNDS):
-            t = min(t, time_audio(fe, audio))
+            for backend in t:
+                t[backend] = min(t[backend], time_audio(fe, audio, backend))
             m = min(m, ours(binary, cfg_path, [audio], 20)[audio])
-        print(f"{'whisper':<10} {'30 s WAV':<14} {30 / t:>15.1f} {30 / m:>10.1f} {t / m:>7.2f}   (seconds of audio per second)")
-
+        for backend, sec in t.items():
+            print(f"{'whisper':<10} {backend:<12} {'30 s WAV':<14} {30 / sec:>15.1f} {30 / m:>10.1f} {sec / m:>7.2f}"
+                  "   (seconds of audio per second)")
 
 if __name__ == "__main__":
     main()
