@@ -95,7 +95,7 @@ for seed in range(3):
 weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                           "properties": {"city": {"type": "string", "maxLength": 12}}}}}
-r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=80, temperature=1.0,
+r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=200, temperature=1.0,
                                    seed=3, tools=[weather], tool_choice="required", parallel_tool_calls=False)
 c = r.choices[0]
 assert c.finish_reason == "tool_calls" and c.message.content is None, c
@@ -108,7 +108,7 @@ r = vision.chat.completions.create(
     messages=image_messages + [c.message.model_dump(exclude_none=True),
                                {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}])
 assert r.choices[0].message.content is not None and not r.choices[0].message.tool_calls, r.choices[0]
-r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=40, tools=[weather],
+r = vision.chat.completions.create(model="llava-tiny", messages=image_messages, max_tokens=120, tools=[weather],
                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
 assert r.choices[0].message.tool_calls[0].function.name == "get_weather", r.choices[0]
 

@@ -66,6 +66,10 @@ struct Huffman {
     values: Vec<u8>,
     /// `(length, symbol)` for codes of at most 9 bits, indexed by the next 9 bits.
     fast: Vec<(u8, u8)>,
+    /// For an AC table: `(coefficient, run, length)` where a code and its extra bits fit
+    /// in the next 9 bits together (length 0: decode the slow way), so that most
+    /// coefficients of a baseline block take one lookup.
+    fast_ac: Vec<(i16, u8, u8)>,
 }
 
 const FAST_BITS: u32 = 9;
@@ -107,6 +111,7 @@ impl Huffman {
         }
         maxcode[17] = 0xFFFFF;
         let mut fast = vec![(0u8, 0u8); 1 << FAST_BITS];
+        let mut fast_ac = vec![(0i16, 0u8, 0u8); 1 << FAST_BITS];
         for (i, (&len, &code)) in sizes.iter().zip(&codes).enumerate() {
             let len = u32::from(len);
             if len <= FAST_BITS {
@@ -115,9 +120,16 @@ impl Huffman {
                 for entry in &mut fast[base..base + (1 << shift)] {
                     *entry = (len as u8, values[i]);
                 }
+                let (run, size) = (values[i] >> 4, u32::from(values[i] & 15));
+                if size != 0 && len + size <= FAST_BITS {
+                    for (e, entry) in fast_ac[base..base + (1 << shift)].iter_mut().enumerate() {
+                        let extra = (e >> (shift - size)) as i32 & ((1 << size) - 1);
+                        *entry = (extend(extra, size as u8) as i16, run, (len + size) as u8);
+                    }
+                }
             }
         }
-        Some(Self { maxcode, valoffset, values, fast })
+        Some(Self { maxcode, valoffset, values, fast, fast_ac })
     }
 }
 
@@ -137,7 +149,33 @@ impl<'a> Bits<'a> {
         Self { data, pos, acc: 0, n: 0, at_marker: false }
     }
 
+    #[inline(always)]
     fn fill(&mut self) {
+        // The common case: the next eight bytes hold no 0xFF, so the bytes the loop below
+        // would take one at a time go in at once.
+        if !self.at_marker && self.n <= 56 {
+            if let Some(next) = self.data.get(self.pos..self.pos + 8) {
+                let chunk = u64::from_be_bytes(next.try_into().expect("eight bytes"));
+                let inverted = !chunk;
+                let has_ff = inverted.wrapping_sub(0x0101_0101_0101_0101) & !inverted & 0x8080_8080_8080_8080 != 0;
+                if !has_ff {
+                    let take = (56 - self.n) / 8 + 1;
+                    let bits = 8 * take;
+                    let top = if bits == 64 { chunk } else { chunk >> (64 - bits) };
+                    self.acc |= top << (64 - self.n - bits);
+                    self.n += bits;
+                    self.pos += take as usize;
+                    return;
+                }
+            }
+        }
+        self.fill_bytewise();
+    }
+
+    /// Byte by byte, through stuffed zeros and up to a marker.
+    #[cold]
+    #[inline(never)]
+    fn fill_bytewise(&mut self) {
         while self.n <= 56 {
             let mut byte = 0;
             if !self.at_marker {
@@ -184,6 +222,7 @@ impl<'a> Bits<'a> {
     }
 
     /// The next symbol; `None` for a code libjpeg calls bad.
+    #[inline(always)]
     fn decode(&mut self, h: &Huffman) -> Option<u8> {
         if self.n < 16 {
             self.fill();
@@ -194,6 +233,13 @@ impl<'a> Bits<'a> {
             self.n -= u32::from(len);
             return Some(sym);
         }
+        self.decode_long(h)
+    }
+
+    /// A code longer than the lookahead, bit by bit as libjpeg's `jpeg_huff_decode`.
+    #[cold]
+    #[inline(never)]
+    fn decode_long(&mut self, h: &Huffman) -> Option<u8> {
         let mut code = self.bits(1);
         let mut l = 1;
         while code > h.maxcode[l] {
@@ -530,6 +576,18 @@ fn decode_block(bits: &mut Bits, dc: &Huffman, ac: &Huffman, last_dc: &mut i32, 
     block[0] = *last_dc as i16;
     let mut k = 1;
     while k < 64 {
+        if bits.n < 16 {
+            bits.fill();
+        }
+        let (value, run, len) = ac.fast_ac[(bits.acc >> (64 - FAST_BITS)) as usize];
+        if len > 0 {
+            bits.acc <<= len;
+            bits.n -= u32::from(len);
+            k += usize::from(run);
+            block[NATURAL[k]] = value;
+            k += 1;
+            continue;
+        }
         let rs = bits.decode(ac)?;
         let (r, s) = (usize::from(rs >> 4), rs & 15);
         if s != 0 {
