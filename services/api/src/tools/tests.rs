@@ -144,3 +144,46 @@ fn assistant_calls_reach_the_template_as_objects() {
     let bad = json!([{"function": {"name": "f", "arguments": "{"}}]);
     assert!(calls_for_template(&bad, "messages[1]").unwrap_err().contains("messages[1].tool_calls[0]"));
 }
+
+/// Random texts of tags, half tags, JSON, whitespace and multi-byte characters, cut at
+/// random places: the reading never depends on where the text was cut (what streams is
+/// what a whole answer says), and nothing is lost when no call is read.
+#[test]
+fn any_text_reads_the_same_however_it_is_cut() {
+    let parts = [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool",
+        "_call>",
+        "</tool",
+        "{\"name\": \"noop\"}",
+        "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}",
+        "{bad",
+        " ",
+        "\n",
+        "日本",
+        "é",
+        "text",
+        "<",
+    ];
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    for mode in [json!("auto"), json!("required"), json!({"type": "function", "function": {"name": "noop"}})] {
+        let t = tools(mode);
+        for _ in 0..400 {
+            let text: String = (0..1 + next(12)).map(|_| parts[next(parts.len())]).collect();
+            let whole = read(&t, &text, &[]);
+            let mut cuts: Vec<usize> = (0..next(6)).map(|_| next(text.len() + 1)).collect();
+            cuts.sort_unstable();
+            assert_eq!(read(&t, &text, &cuts), whole, "{text:?} cut at {cuts:?}");
+            if whole.1.is_empty() && t.mode == Mode::Auto {
+                assert_eq!(whole.0.as_deref().unwrap_or(""), text, "no call read: the text as it was");
+            }
+        }
+    }
+}
