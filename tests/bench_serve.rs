@@ -112,7 +112,7 @@ fn a_run_accounts_for_every_request_and_saves_vllms_fields() {
     assert!((r["mean_ttft_ms"].as_f64().unwrap() - mean).abs() < 1e-9);
     let tpots: Vec<f64> = (0..12).map(|i| (floats(&r["e2els"])[i] - floats(&r["ttfts"])[i]) / 5.0 * 1e3).collect();
     assert!((r["p99_tpot_ms"].as_f64().unwrap() - percentile(&tpots, 99.0)).abs() < 1e-9);
-    let itls: Vec<f64> = r["itls"].as_array().unwrap().iter().flat_map(|l| floats(l)).map(|t| t * 1e3).collect();
+    let itls: Vec<f64> = r["itls"].as_array().unwrap().iter().flat_map(floats).map(|t| t * 1e3).collect();
     assert!((r["median_itl_ms"].as_f64().unwrap() - percentile(&itls, 50.0)).abs() < 1e-9);
     // The same seed, the same load: the same requests, so the same prompt token counts.
     let again = run(&b);

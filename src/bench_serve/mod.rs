@@ -139,7 +139,9 @@ pub async fn run(b: ServeBench) -> anyhow::Result<()> {
         None => serde_json::Map::new(),
         Some(t) => serde_json::from_str(t).context("--extra-body must be a JSON object")?,
     };
-    if b.num_prompts == 0 || !(b.request_rate > 0.0) || !(b.burstiness > 0.0) {
+    // (NaN is refused too: it is above nothing.)
+    let above_zero = |x: f64| x.partial_cmp(&0.0) == Some(std::cmp::Ordering::Greater);
+    if b.num_prompts == 0 || !above_zero(b.request_rate) || !above_zero(b.burstiness) {
         bail!("--num-prompts, --request-rate and --burstiness must be above 0");
     }
     let server = match (&b.base_url, &b.serve_model) {
@@ -285,7 +287,7 @@ async fn drive(
     seed: u64,
     quiet: bool,
 ) -> Vec<Outcome> {
-    let mut rng = rng::Rng::new(seed ^ 0xA11C_E5);
+    let mut rng = rng::Rng::new(seed ^ 0x00A1_1CE5);
     let start = tokio::time::Instant::now();
     let slots = cap.map(|c| Arc::new(tokio::sync::Semaphore::new(c.max(1))));
     let bar = if quiet {

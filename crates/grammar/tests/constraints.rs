@@ -33,7 +33,7 @@ fn run(m: &mut Matcher, vocab: usize, eos: u32, seed: u64) -> Vec<u32> {
             .collect();
         let mask = m.mask().unwrap();
         for (t, l) in logits.iter_mut().enumerate() {
-            if !mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1) {
+            if mask.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
                 *l = f32::NEG_INFINITY;
             }
         }

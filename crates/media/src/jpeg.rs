@@ -153,20 +153,21 @@ impl<'a> Bits<'a> {
     fn fill(&mut self) {
         // The common case: the next eight bytes hold no 0xFF, so the bytes the loop below
         // would take one at a time go in at once.
-        if !self.at_marker && self.n <= 56 {
-            if let Some(next) = self.data.get(self.pos..self.pos + 8) {
-                let chunk = u64::from_be_bytes(next.try_into().expect("eight bytes"));
-                let inverted = !chunk;
-                let has_ff = inverted.wrapping_sub(0x0101_0101_0101_0101) & !inverted & 0x8080_8080_8080_8080 != 0;
-                if !has_ff {
-                    let take = (56 - self.n) / 8 + 1;
-                    let bits = 8 * take;
-                    let top = if bits == 64 { chunk } else { chunk >> (64 - bits) };
-                    self.acc |= top << (64 - self.n - bits);
-                    self.n += bits;
-                    self.pos += take as usize;
-                    return;
-                }
+        if !self.at_marker
+            && self.n <= 56
+            && let Some(next) = self.data.get(self.pos..self.pos + 8)
+        {
+            let chunk = u64::from_be_bytes(next.try_into().expect("eight bytes"));
+            let inverted = !chunk;
+            let has_ff = inverted.wrapping_sub(0x0101_0101_0101_0101) & !inverted & 0x8080_8080_8080_8080 != 0;
+            if !has_ff {
+                let take = (56 - self.n) / 8 + 1;
+                let bits = 8 * take;
+                let top = if bits == 64 { chunk } else { chunk >> (64 - bits) };
+                self.acc |= top << (64 - self.n - bits);
+                self.n += bits;
+                self.pos += take as usize;
+                return;
             }
         }
         self.fill_bytewise();

@@ -81,6 +81,9 @@ impl Default for SeqClock {
     }
 }
 
+/// A constrained row's token mask made for the step, if it has one.
+type Mask = Option<Vec<u32>>;
+
 pub struct ModelLoop<R> {
     pub runner: R,
     pub sched: Scheduler<SeqState>,
@@ -217,7 +220,7 @@ impl<R: ModelRunner> ModelLoop<R> {
 
     /// The plan on the runner, then where each row's next token comes from, with the
     /// constraint masks made for the step (made while the model ran).
-    fn forward(&mut self, plan: &[Planned]) -> Result<(Vec<Next>, Vec<Option<Vec<u32>>>), String> {
+    fn forward(&mut self, plan: &[Planned]) -> Result<(Vec<Next>, Vec<Mask>), String> {
         let on_device = self.runner.samples_on_device();
         let running = self.sched.running();
         let picks: Vec<Pick> = plan
@@ -234,10 +237,11 @@ impl<R: ModelRunner> ModelLoop<R> {
         let mut jobs = Vec::new();
         for (row, p) in plan.iter().enumerate() {
             let s = &mut self.sched.running_mut()[p.index];
-            if s.computed() + p.n >= s.num_tokens() && s.followers().is_empty() {
-                if let Some(m) = s.state.sampling.grammar.take() {
-                    jobs.push(MaskJob::new(row, m));
-                }
+            if s.computed() + p.n >= s.num_tokens()
+                && s.followers().is_empty()
+                && let Some(m) = s.state.sampling.grammar.take()
+            {
+                jobs.push(MaskJob::new(row, m));
             }
         }
         let logits = self.run_batch(plan, &mut jobs);
