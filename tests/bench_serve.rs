@@ -170,6 +170,9 @@ async fn failures_are_counted_and_sweeps_find_the_rate() {
         "2",
         "--slo",
         "ttft_p99=60000,tpot_p99=60000",
+        "--goodput",
+        "ttft:60000",
+        "e2el:0.000001",
         "--save-result",
         sweep.to_str().unwrap(),
     ]);
@@ -179,6 +182,9 @@ async fn failures_are_counted_and_sweeps_find_the_rate() {
     let runs = runs.as_array().unwrap();
     assert_eq!(runs.len(), 2);
     assert!(runs.iter().all(|r| r["completed"] == 6 && r["slo_met"] == true && r["backend"] == "openai"), "{runs:?}");
+    // No request finishes within a nanosecond: goodput 0 (and it is reported).
+    assert!(runs.iter().all(|r| r["request_goodput"] == 0.0), "{runs:?}");
+    assert!(text.contains("Request goodput (req/s):"), "{text}");
     // Bad flags are refused before anything is sent.
     let (ok, text) = bench(&["--base-url", &server.url, "--slo", "latency_p99=5"]);
     assert!(!ok && text.contains("--slo"), "{text}");

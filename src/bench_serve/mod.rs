@@ -80,6 +80,10 @@ pub struct ServeBench {
     /// Limits on percentiles in ms, e.g. `ttft_p99=300,tpot_p99=50`.
     #[arg(long, env = "MMSERVE_BENCH_SLO")]
     pub slo: Option<String>,
+    /// vLLM's per-request service levels in ms, e.g. `ttft:300 tpot:50` (`ttft`, `tpot`,
+    /// `e2el`): requests meeting all of them per second are the `request_goodput`.
+    #[arg(long, num_args = 1.., env = "MMSERVE_BENCH_GOODPUT", value_delimiter = ' ')]
+    pub goodput: Vec<String>,
     /// Write the result (every setting, every request's timings, the server's
     /// `/version` and `/v1/models`) as JSON; a sweep writes a list.
     #[arg(long, env = "MMSERVE_BENCH_SAVE_RESULT")]
@@ -126,8 +130,23 @@ fn parse_slo(text: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
         .collect()
 }
 
+/// `--goodput`'s `metric:ms` pairs.
+fn parse_goodput(parts: &[String]) -> anyhow::Result<Vec<(String, f64)>> {
+    parts
+        .iter()
+        .map(|part| {
+            let (k, v) = part.split_once(':').with_context(|| format!("--goodput {part:?}: metric:ms"))?;
+            if !["ttft", "tpot", "e2el"].contains(&k) {
+                bail!("--goodput {part:?}: the metrics are ttft, tpot and e2el");
+            }
+            Ok((k.to_string(), v.parse().with_context(|| format!("--goodput {part:?}: milliseconds"))?))
+        })
+        .collect()
+}
+
 pub async fn run(b: ServeBench) -> anyhow::Result<()> {
     let slo = b.slo.as_deref().map(parse_slo).transpose()?;
+    let goodput = parse_goodput(&b.goodput)?;
     // The percentiles reported, and those the SLO names.
     let mut percentiles = b.metric_percentiles.clone();
     for (_, p, _) in slo.iter().flatten() {
@@ -199,6 +218,10 @@ pub async fn run(b: ServeBench) -> anyhow::Result<()> {
         let outcomes = drive(&sender, &requests, rate, b.burstiness, b.max_concurrency, b.seed, b.disable_tqdm).await;
         let duration = t0.elapsed().as_secs_f64();
         let mut m = report::summarize(&outcomes, duration, &percentiles);
+        if !goodput.is_empty() {
+            let good = outcomes.iter().filter(|o| report::meets(o, &goodput)).count();
+            m.insert("request_goodput".into(), json!(good as f64 / duration));
+        }
         report::print(&m, &percentiles, b.max_concurrency);
         let settings = json!({
             "date": chrono_like_now(),
@@ -218,6 +241,7 @@ pub async fn run(b: ServeBench) -> anyhow::Result<()> {
             "stream": !b.no_stream,
             "percentiles": percentiles,
             "server": {"version": version, "models": models},
+            "goodput": goodput.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
         });
         for (k, v) in settings.as_object().expect("an object") {
             m.insert(k.clone(), v.clone());

@@ -48,6 +48,21 @@ pub fn samples(outcomes: &[Outcome]) -> [Vec<f64>; 4] {
     [ttft, tpot, itl, e2el]
 }
 
+/// Whether a successful request met every `metric:ms` limit (vLLM's goodput: its TTFT,
+/// its own TPOT, its latency).
+pub fn meets(o: &Outcome, limits: &[(String, f64)]) -> bool {
+    let tpot = if o.output_len > 1 { (o.latency - o.ttft) / (o.output_len - 1) as f64 } else { 0.0 };
+    o.ok()
+        && limits.iter().all(|(k, ms)| {
+            let v = match k.as_str() {
+                "ttft" => o.ttft,
+                "tpot" => tpot,
+                _ => o.latency,
+            };
+            v * 1e3 <= *ms
+        })
+}
+
 /// The figures of a run of `duration` seconds, with the per-request lists.
 pub fn summarize(outcomes: &[Outcome], duration: f64, percentiles: &[f64]) -> Map<String, Value> {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
@@ -103,6 +118,9 @@ pub fn print(m: &Map<String, Value>, percentiles: &[f64], max_concurrency: Optio
     line("Total input tokens:", format!("{}", f("total_input_tokens")));
     line("Total generated tokens:", format!("{}", f("total_output_tokens")));
     line("Request throughput (req/s):", format!("{:.2}", f("request_throughput")));
+    if m.contains_key("request_goodput") {
+        line("Request goodput (req/s):", format!("{:.2}", f("request_goodput")));
+    }
     line("Output token throughput (tok/s):", format!("{:.2}", f("output_throughput")));
     line("Total token throughput (tok/s):", format!("{:.2}", f("total_token_throughput")));
     for (name, title) in METRICS.iter().zip([
@@ -208,6 +226,9 @@ mod tests {
         assert!((m["mean_ttft_ms"].as_f64().unwrap() - 200.0).abs() < 1e-9);
         assert!((m["mean_tpot_ms"].as_f64().unwrap() - 150.0).abs() < 1e-9, "100 and 200 ms");
         assert_eq!(m["errors"][2], "HTTP 500: boom");
+        let limits = [("ttft".to_string(), 150.0), ("tpot".to_string(), 150.0)];
+        let (a, b) = (ok(0.1, 0.5, 5), ok(0.3, 0.7, 3));
+        assert!(meets(&a, &limits) && !meets(&b, &limits), "TPOT 100 ms passes, TTFT 300 ms fails");
         let c = compare(&json!({"request_throughput": 2.0}), &json!({"request_throughput": 3.0}));
         assert!(c.contains("1.500"), "{c}");
     }
