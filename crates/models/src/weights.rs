@@ -11,6 +11,7 @@
 //! | language model | `language_model.model.*` | `model.language_model.*` |
 //! | LM head | `language_model.lm_head.weight` | `lm_head.weight` |
 //! | vision tower | `vision_tower.vision_model.*` | `model.vision_tower.vision_model.*` |
+//! | (CLIP tower as transformers 5.24 saves a new model) | `vision_tower.*` | `model.vision_tower.*` |
 //! | projector | `multi_modal_projector.*` | `model.multi_modal_projector.*` |
 //! | audio tower (Qwen2-Audio) | `audio_tower.*` | `model.audio_tower.*` |
 //!
@@ -102,6 +103,9 @@ pub struct Weights {
     dummy: bool,
     /// The kernel choices the layers made from these weights take.
     kernels: Kernels,
+    /// Where the CLIP tower's `CLIPVisionTransformer` is: the naming's, or one level up
+    /// (transformers 5.24 saves a newly made LLaVA's tower without `vision_model`).
+    vision_prefix: &'static str,
 }
 
 impl Weights {
@@ -135,11 +139,21 @@ impl Weights {
                 Naming::V5.language_model()
             )));
         };
-        Ok(Weights { vb, naming, dummy: false, kernels: Kernels::default() })
+        let vision_prefix = [naming.vision_model(), naming.vision_model().trim_end_matches(".vision_model")]
+            .into_iter()
+            .find(|p| vb.contains_tensor(&format!("{p}.embeddings.class_embedding")))
+            .unwrap_or(naming.vision_model());
+        Ok(Weights { vb, naming, dummy: false, kernels: Kernels::default(), vision_prefix })
     }
 
     pub(crate) fn from_var_builder(vb: VarBuilder<'static>, dummy: bool) -> Self {
-        Weights { vb, naming: Naming::Hub, dummy, kernels: Kernels::default() }
+        Weights {
+            vb,
+            naming: Naming::Hub,
+            dummy,
+            kernels: Kernels::default(),
+            vision_prefix: Naming::Hub.vision_model(),
+        }
     }
 
     /// The same weights, for layers that take `kernels`.
@@ -179,7 +193,7 @@ impl Weights {
 
     /// `CLIPVisionTransformer`: embeddings, pre_layrnorm, encoder.
     pub(crate) fn vision_model(&self) -> Scope {
-        self.scope(self.naming.vision_model())
+        self.scope(self.vision_prefix)
     }
 
     /// `LlavaMultiModalProjector` (linear_1, linear_2) or Qwen2-Audio's (linear).

@@ -80,6 +80,24 @@ fn v5_tensor_names_load_and_give_the_same_logits() {
     assert_close("v5 names vs reference logits", &v5, &Reference::load().tensor("logits"), 1e-4);
 }
 
+/// transformers 5.24 saves a newly made LLaVA's CLIP tower one level up
+/// (`vision_tower.encoder.*`, no `vision_model`), in either naming.
+#[test]
+fn a_tower_saved_without_vision_model_loads_the_same() {
+    let hub = prompt_logits(&fixture_dir());
+    for v5 in [false, true] {
+        let renamed = hub_tensors()
+            .into_iter()
+            .map(|(k, v)| {
+                let k = k.replace("vision_tower.vision_model.", "vision_tower.");
+                (if v5 { v5_name(&k) } else { k }, v)
+            })
+            .collect();
+        let model = TempModel::new(if v5 { "flat-tower-v5" } else { "flat-tower" }, &renamed);
+        assert_eq!(max_abs_diff(&hub, &prompt_logits(&model.0)), 0.0, "v5 names: {v5}");
+    }
+}
+
 #[test]
 fn missing_lm_head_falls_back_to_tied_embeddings() {
     let mut tensors = hub_tensors();

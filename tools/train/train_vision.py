@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Trains mmserve's default vision model (issue 30): a tiny LLaVA-1.5 (a small CLIP
+tower, a small Llama, a byte-level BPE of the scenes' words) on the seeded scenes of
+`scenes.py`, with transformers' own `LlavaForConditionalGeneration`, and writes a
+Hugging Face model directory that `mmserve serve --model DIR` serves, a held-out
+evaluation set and its exact-match scores per question type.
+
+    python tools/train/train_vision.py OUT_DIR [--steps N] [--device cuda] [--eval 500]
+
+Seeded and reproducible on one device: scenes 0.. train, scenes from 10**9 are held out.
+Tooling, not the server: it needs torch and transformers (5.x), as the GPU machine has.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedTokenizerFast,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scenes  # noqa: E402
+
+HELD_OUT = 10**9
+SPECIALS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
+# LLaVA-1.5's template: "USER: <image>\n{question} ASSISTANT: {answer}</s>".
+TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+SIDE, PATCH = scenes.SIDE, 14
+IMAGE_TOKENS = (SIDE // PATCH) ** 2
+
+
+def corpus():
+    """Every word the prompts and answers use, for the tokenizer."""
+    words = ["USER:", "ASSISTANT:", "Describe the image.", "Which image has more shapes?", "The first.",
+             "The second.", "Neither.", "Yes.", "No.", "None.", ", and ."]
+    for s in scenes.SHAPES:
+        words += [s, scenes.PLURAL[s], f"How many {scenes.PLURAL[s]} are there?", f"What colour is the {s}?",
+                  f"Is there a {s} on the left?", f"Is there a {s} on the right?"]
+    words += list(scenes.COLOURS) + [c.capitalize() + "." for c in scenes.COLOURS]
+    words += scenes.NUMBERS + [n.lower() for n in scenes.NUMBERS] + [n + "." for n in scenes.NUMBERS]
+    return words * 20
+
+
+def build_tokenizer(out):
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tok.save(os.path.join(out, "tokenizer.json"))
+    json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "clean_up_tokenization_spaces": False},
+              open(os.path.join(out, "tokenizer_config.json"), "w"), indent=2)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_file=os.path.join(out, "tokenizer.json"), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+
+
+def build_model(tok):
+    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=SIDE, patch_size=PATCH, projection_dim=128)
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         projector_hidden_act="gelu", vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", image_seq_length=IMAGE_TOKENS,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    return LlavaForConditionalGeneration(config)
+
+
+def image_processor():
+    return CLIPImageProcessorPil(size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE})
+
+
+def example(seed, rng):
+    """One training or evaluation item: (images, question, answer, kind)."""
+    if rng.random() < 0.12:
+        (a, sa), (b, sb) = scenes.scene(seed), scenes.scene(seed + HELD_OUT // 2)
+        kind, q, ans = scenes.compare(sa, sb)
+        return [a, b], q, ans, kind
+    img, shapes = scenes.scene(seed)
+    kind, q, ans = rng.choice(scenes.questions(shapes, rng))
+    return [img], q, ans, kind
+
+
+def prompt(q, n_images):
+    return "USER: " + "<image>\n" * n_images + q + " ASSISTANT:"
+
+
+def batch(items, tok, proc, device):
+    """Input ids (each `<image>` expanded to its tokens), pixel values, and labels on the
+    answers (and their `</s>`) only."""
+    ids, labels, pixels = [], [], []
+    for images, q, ans, _ in items:
+        p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS))["input_ids"]
+        a = tok(" " + ans, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids.append(p + a)
+        labels.append([-100] * len(p) + a)
+        pixels += images
+    width = max(map(len, ids))
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
+    attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
+    labels = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
+    pv = proc(images=pixels, return_tensors="pt")["pixel_values"].to(device)
+    return input_ids, attention, labels, pv
+
+
+@torch.no_grad()
+def evaluate(model, tok, proc, device, n):
+    """Greedy answers to `n` held-out items: exact-match accuracy per question type."""
+    model.eval()
+    rng = random.Random(7)
+    right, total, rows = {}, {}, []
+    for i in range(n):
+        images, q, ans, kind = example(HELD_OUT + i, rng)
+        p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS), return_tensors="pt").to(device)
+        pv = proc(images=images, return_tensors="pt")["pixel_values"].to(device)
+        out = model.generate(**p, pixel_values=pv, max_new_tokens=24, do_sample=False)
+        got = tok.decode(out[0, p["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        total[kind] = total.get(kind, 0) + 1
+        right[kind] = right.get(kind, 0) + int(got == ans)
+        rows.append({"seed": HELD_OUT + i, "kind": kind, "question": q, "answer": ans, "got": got})
+    model.train()
+    return {k: right[k] / total[k] for k in sorted(total)}, rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eval", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    tok = build_tokenizer(args.out)
+    model = build_model(tok).to(args.device)
+    proc = image_processor()
+    proc.save_pretrained(args.out)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
+    rng = random.Random(args.seed)
+    t0 = time.time()
+    for step in range(args.steps):
+        items = [example(rng.randrange(HELD_OUT // 2), rng) for _ in range(args.batch)]
+        input_ids, attention, labels, pv = batch(items, tok, proc, args.device)
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.device != "cpu"):
+            loss = model(input_ids=input_ids, attention_mask=attention, pixel_values=pv, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 200 == 0 or step == args.steps - 1:
+            print(f"step {step} loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+    model.save_pretrained(args.out)
+    scores, rows = evaluate(model, tok, proc, args.device, args.eval)
+    json.dump({"scores": scores, "steps": args.steps, "items": rows}, open(os.path.join(args.out, "eval.json"), "w"), indent=1)
+    print(json.dumps(scores), flush=True)
+
+
+if __name__ == "__main__":
+    main()
