@@ -129,6 +129,10 @@ def batch(items, tok, proc, device):
     return input_ids, attention, labels, pv
 
 
+def pixels(proc, images, model, device):
+    return proc(images=images, return_tensors="pt")["pixel_values"].to(device, model.dtype)
+
+
 @torch.no_grad()
 def evaluate(model, tok, proc, device, n):
     """Greedy answers to `n` held-out items: exact-match accuracy per question type."""
@@ -138,7 +142,7 @@ def evaluate(model, tok, proc, device, n):
     for i in range(n):
         images, q, ans, kind = example(HELD_OUT + i, rng)
         p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS), return_tensors="pt").to(device)
-        pv = proc(images=images, return_tensors="pt")["pixel_values"].to(device)
+        pv = pixels(proc, images, model, device)
         out = model.generate(**p, pixel_values=pv, max_new_tokens=24, do_sample=False)
         got = tok.decode(out[0, p["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         total[kind] = total.get(kind, 0) + 1
@@ -181,6 +185,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         if step % 200 == 0 or step == args.steps - 1:
             print(f"step {step} loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+    # Shipped in bf16 (under 10 MB), and evaluated as shipped.
+    model = model.to(torch.bfloat16)
     model.save_pretrained(args.out)
     scores, rows = evaluate(model, tok, proc, args.device, args.eval)
     json.dump({"scores": scores, "steps": args.steps, "items": rows}, open(os.path.join(args.out, "eval.json"), "w"), indent=1)
