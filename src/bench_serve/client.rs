@@ -69,6 +69,11 @@ impl Outcome {
     pub fn ok(&self) -> bool {
         self.error.is_empty()
     }
+
+    /// Seconds per output token after the first (vLLM's TPOT), for more than one token.
+    pub fn tpot(&self) -> Option<f64> {
+        (self.output_len > 1).then(|| (self.latency - self.ttft) / (self.output_len - 1) as f64)
+    }
 }
 
 impl Sender {

@@ -3,7 +3,6 @@
 //! to have sent the same load. Dataset names and flags are vLLM's (`random`, `random-mm`,
 //! `custom` as `jsonl`), plus `random-audio`.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
@@ -290,19 +289,18 @@ fn media_url(dir: &Path, r: &str) -> anyhow::Result<String> {
     let path = dir.join(r);
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
-    let mimes: HashMap<&str, &str> = [
-        ("png", "image/png"),
-        ("jpg", "image/jpeg"),
-        ("jpeg", "image/jpeg"),
-        ("webp", "image/webp"),
-        ("gif", "image/gif"),
-        ("wav", "audio/wav"),
-        ("mp3", "audio/mpeg"),
-        ("flac", "audio/flac"),
-        ("ogg", "audio/ogg"),
-    ]
-    .into();
-    Ok(data_url(mimes.get(ext.as_str()).copied().unwrap_or("application/octet-stream"), &bytes))
+    let mime = match ext.as_str() {
+        "png" => "image/png",
+        "jpg" | "jpeg" => "image/jpeg",
+        "webp" => "image/webp",
+        "gif" => "image/gif",
+        "wav" => "audio/wav",
+        "mp3" => "audio/mpeg",
+        "flac" => "audio/flac",
+        "ogg" => "audio/ogg",
+        _ => "application/octet-stream",
+    };
+    Ok(data_url(mime, &bytes))
 }
 
 #[cfg(test)]

@@ -41,8 +41,7 @@ pub fn pkey(p: f64) -> String {
 pub fn samples(outcomes: &[Outcome]) -> [Vec<f64>; 4] {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
     let ttft = ok.iter().map(|o| o.ttft).collect();
-    let tpot =
-        ok.iter().filter(|o| o.output_len > 1).map(|o| (o.latency - o.ttft) / (o.output_len - 1) as f64).collect();
+    let tpot = ok.iter().filter_map(|o| o.tpot()).collect();
     let itl = ok.iter().flat_map(|o| o.itl.iter().copied()).collect();
     let e2el = ok.iter().map(|o| o.latency).collect();
     [ttft, tpot, itl, e2el]
@@ -51,7 +50,7 @@ pub fn samples(outcomes: &[Outcome]) -> [Vec<f64>; 4] {
 /// Whether a successful request met every `metric:ms` limit (vLLM's goodput: its TTFT,
 /// its own TPOT, its latency).
 pub fn meets(o: &Outcome, limits: &[(String, f64)]) -> bool {
-    let tpot = if o.output_len > 1 { (o.latency - o.ttft) / (o.output_len - 1) as f64 } else { 0.0 };
+    let tpot = o.tpot().unwrap_or(0.0);
     o.ok()
         && limits.iter().all(|(k, ms)| {
             let v = match k.as_str() {

@@ -28,8 +28,8 @@ impl MaskJob {
         MaskJob { row, matcher, mask: None }
     }
 
-    /// The mask made, if making it succeeded (a failure is logged; the host sampler then
-    /// tries again and ends the sequence if the grammar is broken).
+    /// The mask made, if making it succeeded (a failure is logged, and the sampler ends
+    /// the sequence: its grammar is broken).
     pub fn take_mask(&mut self) -> Option<Vec<u32>> {
         self.mask.take()
     }

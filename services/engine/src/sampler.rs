@@ -256,21 +256,34 @@ impl SamplingState {
     /// constraint failed, or `min_tokens` hides the end it requires), so the sequence ends.
     fn constrain(&mut self, row: &mut [f32], mask: Option<&[u32]>) -> Option<u32> {
         let g = self.grammar.as_mut()?;
-        match mask.map(|m| Ok(m.to_vec())).unwrap_or_else(|| g.mask()) {
-            Ok(mask) => mmserve_ops::token_mask::mask_row(row, &mask),
-            Err(e) => tracing::warn!("masking a constrained sequence: {e}"),
-        }
+        let made;
+        let mask = match mask {
+            Some(m) => m,
+            None => match g.mask() {
+                Ok(m) => {
+                    made = m;
+                    &made
+                }
+                Err(e) => {
+                    tracing::warn!("ending a constrained sequence: {e}");
+                    return Some(self.end_constraint());
+                }
+            },
+        };
+        mmserve_ops::token_mask::mask_row(row, mask);
         if row.iter().any(|l| l.is_finite()) {
             return None;
         }
         Some(self.end_constraint())
     }
 
-    /// A device pick under a mask that allowed nothing (the device chose among -inf): the
-    /// sequence ends instead.
+    /// A device pick of a constrained sequence that must not stand: its mask allowed
+    /// nothing (the device chose among -inf), or making the mask failed (the device chose
+    /// unmasked). The sequence ends instead.
     fn unless_nothing_allowed(&mut self, mask: Option<&[u32]>) -> Option<u32> {
-        let mask = mask.filter(|_| self.grammar.is_some())?;
-        (!mmserve_ops::token_mask::allows_any(mask, self.vocab)).then(|| self.end_constraint())
+        self.grammar.as_ref()?;
+        let allowed = mask.is_some_and(|m| mmserve_ops::token_mask::allows_any(m, self.vocab));
+        (!allowed).then(|| self.end_constraint())
     }
 
     /// Ends a constrained sequence whose grammar allows nothing: its first stop id.

@@ -429,3 +429,30 @@ fn constrained_sequences_decode_alike_on_every_path() {
     assert_eq!(ids(&log[&50]), plain_alone, "the unconstrained neighbour");
     assert_eq!(crowd.l.sched.blocks().num_used_blocks(), 0);
 }
+
+/// A device pick of a constrained sequence stands only under a mask that allows
+/// something: without a mask (making it failed) or under an empty one, the sequence ends
+/// with its stop id rather than emit a token the grammar never allowed.
+#[test]
+fn a_device_pick_without_a_usable_mask_ends_the_constrained_sequence() {
+    use crate::sampler::{Next, SamplingState};
+    let dir = model_dir();
+    let eos = TextTokenizer::from_dir(&dir).expect("tokenizer").eos_ids()[0];
+    let grammars = mmserve_grammar::Grammars::new(&dir, eos).expect("grammars");
+    let constraint = mmserve_protocol::Constraint::Regex("[a-z]{3}".into());
+    let params = SamplingParams { max_tokens: 8, constraint: Some(constraint.clone()), ..Default::default() };
+    let state = || {
+        let m = grammars.matcher(&constraint).expect("matcher");
+        SamplingState::new(&request(1, vec![5, 6], params.clone()), 1024, &[eos]).with_grammar(Some(m))
+    };
+    let mask = state().grammar.as_mut().expect("grammar").mask().expect("mask");
+    let allowed = (0..1024u32).find(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1).expect("something allowed");
+    let mut s = state();
+    assert_eq!(s.choose(&params, Next::Greedy(allowed), Some(&mask)).0, allowed);
+    assert!(!s.constraint_done);
+    for m in [None, Some(vec![0u32; mask.len()])] {
+        let mut s = state();
+        assert_eq!(s.choose(&params, Next::Greedy(allowed), m.as_deref()).0, eos, "mask {:?}", m.is_some());
+        assert!(s.constraint_done);
+    }
+}
