@@ -5,7 +5,7 @@ tower, a small Llama, a byte-level BPE of the scenes' words) on the seeded scene
 Hugging Face model directory that `mmserve serve --model DIR` serves, a held-out
 evaluation set and its exact-match scores per question type.
 
-    python tools/train/train_vision.py OUT_DIR [--steps N] [--device cuda] [--eval 500]
+    python tools/train/train_vision.py OUT_DIR [--steps N] [--device cuda] [--eval 500] [--workers N]
 
 Seeded and reproducible on one device: scenes 0.. train, scenes from 10**9 are held out.
 Tooling, not the server: it needs torch and transformers (5.x), as the GPU machine has.
@@ -16,8 +16,6 @@ import json
 import os
 import random
 import sys
-import time
-
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -31,6 +29,7 @@ from transformers import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scenes  # noqa: E402
+import trainer  # noqa: E402
 
 HELD_OUT = 10**9
 SPECIALS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
@@ -110,9 +109,9 @@ def prompt(q, n_images):
     return "USER: " + "<image>\n" * n_images + q + " ASSISTANT:"
 
 
-def batch(items, tok, proc, device):
+def batch(items, tok, proc):
     """Input ids (each `<image>` expanded to its tokens), pixel values, and labels on the
-    answers (and their `</s>`) only."""
+    answers (and their `</s>`) only, as CPU tensors."""
     ids, labels, pixels = [], [], []
     for images, q, ans, _ in items:
         p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS))["input_ids"]
@@ -122,11 +121,24 @@ def batch(items, tok, proc, device):
         pixels += images
     width = max(map(len, ids))
     pad = tok.pad_token_id
-    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids], device=device)
-    attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
-    labels = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
-    pv = proc(images=pixels, return_tensors="pt")["pixel_values"].to(device)
-    return input_ids, attention, labels, pv
+    return {
+        "input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
+        "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
+        "labels": torch.tensor([x + [-100] * (width - len(x)) for x in labels]),
+        "pixel_values": proc(images=pixels, return_tensors="pt")["pixel_values"],
+    }
+
+
+class Batches:
+    """Step `i`'s training batch, a function of `i` and the run's seed alone."""
+
+    def __init__(self, tok, proc, size, seed):
+        self.tok, self.proc, self.size, self.seed = tok, proc, size, seed
+
+    def __call__(self, step):
+        rng = random.Random(self.seed * 1_000_003 + step)
+        items = [example(rng.randrange(HELD_OUT // 2), rng) for _ in range(self.size)]
+        return batch(items, self.tok, self.proc)
 
 
 def pixels(proc, images, model, device):
@@ -161,6 +173,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eval", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() - 1))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -169,22 +182,7 @@ def main():
     proc = image_processor()
     proc.save_pretrained(args.out)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
-    rng = random.Random(args.seed)
-    t0 = time.time()
-    for step in range(args.steps):
-        items = [example(rng.randrange(HELD_OUT // 2), rng) for _ in range(args.batch)]
-        input_ids, attention, labels, pv = batch(items, tok, proc, args.device)
-        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.device != "cpu"):
-            loss = model(input_ids=input_ids, attention_mask=attention, pixel_values=pv, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 200 == 0 or step == args.steps - 1:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+    trainer.train(model, Batches(tok, proc, args.batch, args.seed), args.steps, args.lr, args.device, args.workers)
     # Shipped in bf16 (under 10 MB), and evaluated as shipped.
     model = model.to(torch.bfloat16)
     model.save_pretrained(args.out)
