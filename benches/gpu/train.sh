@@ -27,4 +27,4 @@ done
 timeout 150 python3 tools/train/eval_server.py --url http://127.0.0.1:18001 --vision 500 --out "$out/gpu_vision.json"
 timeout 100 python3 tools/train/eval_server.py --url http://127.0.0.1:18002 --audio 200 --wav-only --out "$out/gpu_audio.json"
 tail -3 /tmp/serve_vision.log /tmp/serve_audio.log
-kill %1 %2 2>/dev/null
+kill $(jobs -p) 2>/dev/null
