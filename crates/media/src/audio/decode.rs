@@ -355,13 +355,14 @@ fn s16_layout(params: &AudioCodecParameters) -> Option<usize> {
 /// channels averaged as the decoder path does (a partial frame at the end is dropped, as
 /// symphonia's PCM decoder drops it).
 fn s16_to_mono(data: &[u8], channels: usize, mono: &mut Vec<f32>) {
-    let sample = |b: &[u8]| f32::from(i16::from_le_bytes([b[0], b[1]])) / 32_768.0;
-    let frames = data.chunks_exact(2 * channels);
+    // Fixed-size pairs (not `chunks_exact(2)`), so that the mono loop vectorises.
+    let sample = |b: [u8; 2]| f32::from(i16::from_le_bytes(b)) / 32_768.0;
+    let (pairs, _) = data.as_chunks::<2>();
     if channels == 1 {
-        mono.extend(frames.map(sample));
+        mono.extend(pairs.iter().map(|&b| sample(b)));
     } else {
         let cf = channels as f32;
-        mono.extend(frames.map(|f| f.chunks_exact(2).map(sample).sum::<f32>() / cf));
+        mono.extend(pairs.chunks_exact(channels).map(|f| f.iter().map(|&b| sample(b)).sum::<f32>() / cf));
     }
 }
 

@@ -15,6 +15,7 @@
 
 mod decode;
 mod error;
+mod stft;
 mod whisper;
 
 pub use decode::{AudioLimits, TARGET_SAMPLE_RATE, Waveform, decode_audio, probe_duration};

@@ -24,6 +24,7 @@ use realfft::{RealFftPlanner, RealToComplex};
 use serde_json::Value;
 
 use super::AudioError;
+use super::stft::{LANES, Stft};
 
 /// The values a log-mel bin is clamped to before `log10`.
 const MEL_FLOOR: f32 = 1e-10;
@@ -48,7 +49,15 @@ pub struct WhisperFeatureExtractor {
     filters: Vec<MelFilter>,
     /// `filters` in `f32`: each filter's first bin, and its weights.
     filters32: Vec<(usize, Vec<f32>)>,
-    fft: Arc<dyn RealToComplex<f32>>,
+    /// The vertical STFT where `n_fft` suits it (Whisper's 400 does), else one frame at a
+    /// time through realfft.
+    spectra: Spectra,
+}
+
+#[derive(Clone)]
+enum Spectra {
+    Vertical(Stft),
+    PerFrame(Arc<dyn RealToComplex<f32>>),
 }
 
 impl std::fmt::Debug for WhisperFeatureExtractor {
@@ -151,7 +160,10 @@ impl WhisperFeatureExtractor {
             (0..n_fft).map(|i| (0.5 - 0.5 * (std::f64::consts::TAU * i as f64 / n_fft as f64).cos()) as f32).collect();
         let filters = mel_filter_bank(n_fft / 2 + 1, feature_size, 0.0, 8000.0, sampling_rate as f64);
         let filters32 = filters.iter().map(|f| (f.start, f.weights.iter().map(|&w| w as f32).collect())).collect();
-        let fft = RealFftPlanner::<f32>::new().plan_fft_forward(n_fft);
+        let spectra = match Stft::new(n_fft) {
+            Some(stft) => Spectra::Vertical(stft),
+            None => Spectra::PerFrame(RealFftPlanner::<f32>::new().plan_fft_forward(n_fft)),
+        };
         Ok(Self {
             feature_size,
             sampling_rate: sampling_rate as u32,
@@ -165,7 +177,7 @@ impl WhisperFeatureExtractor {
             window,
             filters,
             filters32,
-            fft,
+            spectra,
         })
     }
 
@@ -179,47 +191,81 @@ impl WhisperFeatureExtractor {
         let (n_fft, hop, n_frames, n_mels) = (self.n_fft, self.hop_length, self.nb_max_frames, self.feature_size);
         let used = samples.len().min(self.n_samples);
         let pad = n_fft / 2;
+        let samples = &samples[..used];
+        let padding = self.padding_value;
 
-        // The padded 30 s window, reflect-padded by n_fft / 2 on both sides (numpy's "reflect":
-        // the edge sample is not repeated).
-        let mut x = vec![self.padding_value; self.n_samples + 2 * pad];
-        x[pad..pad + used].copy_from_slice(&samples[..used]);
-        for k in 1..=pad {
-            x[pad - k] = x[pad + k];
-            x[pad + self.n_samples - 1 + k] = x[pad + self.n_samples - 1 - k];
-        }
+        // The padded window x: the clip padded with `padding_value` to `n_samples`, then
+        // reflect-padded by n_fft / 2 on both sides (numpy's "reflect": the edge sample is not
+        // repeated). Frames that lie inside the clip are read from `samples` in place; the few
+        // that reach into the padding are copied out through `padded`.
+        let n = self.n_samples;
+        let signal = |j: usize| if j < used { samples[j] } else { padding };
+        let padded = |i: usize| {
+            if i < pad {
+                signal(pad - i)
+            } else if i < pad + n {
+                signal(i - pad)
+            } else {
+                signal(2 * n - 2 - (i - pad))
+            }
+        };
+        // Positions of x that may be nonzero (a hull): frames outside it have a zero spectrum
+        // and are not transformed (the padding of a short clip).
+        let maybe_nonzero = if padding != 0.0 {
+            0..n + 2 * pad
+        } else {
+            match (samples.iter().position(|&v| v != 0.0), samples.iter().rposition(|&v| v != 0.0)) {
+                (Some(first), Some(last)) => {
+                    let lo = if first <= pad { 0 } else { first + pad };
+                    let hi = if last + 1 + pad >= n { n + 2 * pad } else { last + pad + 1 };
+                    lo..hi
+                }
+                _ => 0..0,
+            }
+        };
 
-        let mut frame = self.fft.make_input_vec();
-        let mut spectrum = self.fft.make_output_vec();
-        let mut scratch = self.fft.make_scratch_vec();
-        let bins = spectrum.len();
-        // Frames go in tiles of TILE: each frame's power spectrum is stored bin-major in the
-        // tile ([bin][frame], in L1), so that every mel's weighted sum runs over the tile's
-        // frames in SIMD lanes and lands as a contiguous run of the [n_mels, n_frames] output.
-        // Per lane the sum is the same ordered sum over bins as frame by frame: same bits.
+        let bins = n_fft / 2 + 1;
+        // Frames go in tiles of TILE, each frame's power spectrum stored bin-major in the tile
+        // ([bin][frame], in L1): the vertical STFT writes that layout directly, and every
+        // mel's weighted sum then runs over the tile's frames in SIMD lanes and lands as a
+        // contiguous run of the [n_mels, n_frames] output.
         let mut tile = vec![0f32; bins * TILE];
         let mut out = vec![0f32; n_mels * n_frames];
-        // Frames outside the nonzero span are all zeros (the padding of a short clip): their
-        // spectrum is zero without an FFT. (Zero frames inside it come out zero anyway.)
-        let nonzero = x
-            .iter()
-            .position(|&v| v != 0.0)
-            .map_or(0..0, |a| a..x.len() - x.iter().rev().position(|&v| v != 0.0).unwrap_or(0));
+        let mut edges = vec![0f32; TILE * n_fft];
+        let mut scratch = match &self.spectra {
+            Spectra::Vertical(stft) => Some(stft.scratch()),
+            Spectra::PerFrame(_) => None,
+        };
         for t0 in (0..n_frames).step_by(TILE) {
             let width = TILE.min(n_frames - t0);
-            for j in 0..width {
-                let at = (t0 + j) * hop;
-                let src = &x[at..at + n_fft];
-                if at >= nonzero.end || at + n_fft <= nonzero.start {
-                    (0..bins).for_each(|b| tile[b * TILE + j] = 0.0);
-                    continue;
+            let starts = (t0..t0 + width).map(|t| t * hop);
+            if starts.clone().all(|at| at >= maybe_nonzero.end || at + n_fft <= maybe_nonzero.start) {
+                tile.fill(0.0);
+            } else {
+                // Copies of the frames that reach into the padding first, then borrows.
+                for (f, at) in starts.clone().enumerate() {
+                    if at < pad || at + n_fft > pad + used {
+                        for (k, v) in edges[f * n_fft..][..n_fft].iter_mut().enumerate() {
+                            *v = padded(at + k);
+                        }
+                    }
                 }
-                for ((f, &s), &w) in frame.iter_mut().zip(src).zip(&self.window) {
-                    *f = s * w;
-                }
-                self.fft.process_with_scratch(&mut frame, &mut spectrum, &mut scratch).expect("FFT buffer sizes");
-                for (b, c) in spectrum.iter().enumerate() {
-                    tile[b * TILE + j] = Complex::norm_sqr(c);
+                let frames: Vec<&[f32]> = starts
+                    .enumerate()
+                    .map(|(f, at)| {
+                        if at < pad || at + n_fft > pad + used {
+                            &edges[f * n_fft..][..n_fft]
+                        } else {
+                            &samples[at - pad..][..n_fft]
+                        }
+                    })
+                    .collect();
+                match (&self.spectra, &mut scratch) {
+                    (Spectra::Vertical(stft), Some(scratch)) => {
+                        stft.power_spectra(&frames, &self.window, scratch, &mut tile);
+                    }
+                    (Spectra::PerFrame(fft), _) => self.per_frame(fft.as_ref(), &frames, &mut tile),
+                    (Spectra::Vertical(_), None) => unreachable!("scratch made above"),
                 }
             }
             for (m, (start, weights)) in self.filters32.iter().enumerate() {
@@ -235,6 +281,24 @@ impl WhisperFeatureExtractor {
         let valid_frames = self.valid_frames(used);
         let attention_mask = (0..n_frames).map(|t| i32::from(t < valid_frames)).collect();
         Features { input_features: out, attention_mask, valid_frames, n_mels, n_frames, samples: used }
+    }
+
+    /// Power spectra one frame at a time (an `n_fft` the vertical STFT does not take), into
+    /// the tile's layout; lanes past `frames` come out zero.
+    fn per_frame(&self, fft: &dyn RealToComplex<f32>, frames: &[&[f32]], tile: &mut [f32]) {
+        let mut frame = fft.make_input_vec();
+        let mut spectrum = fft.make_output_vec();
+        let mut scratch = fft.make_scratch_vec();
+        tile.fill(0.0);
+        for (j, src) in frames.iter().enumerate() {
+            for ((f, &s), &w) in frame.iter_mut().zip(*src).zip(&self.window) {
+                *f = s * w;
+            }
+            fft.process_with_scratch(&mut frame, &mut spectrum, &mut scratch).expect("FFT buffer sizes");
+            for (b, c) in spectrum.iter().enumerate() {
+                tile[b * TILE + j] = Complex::norm_sqr(c);
+            }
+        }
     }
 
     /// Every setting that changes the features, for cache keys.
@@ -283,8 +347,8 @@ impl WhisperFeatureExtractor {
 /// Qwen2-Audio's audio tokens for `valid_frames` feature frames: the model's rule.
 pub use mmserve_config::audio_token_count as qwen2_audio_tokens;
 
-/// Frames per tile of [`WhisperFeatureExtractor::extract`].
-const TILE: usize = 32;
+/// Frames per tile of [`WhisperFeatureExtractor::extract`]: one group of the vertical STFT.
+const TILE: usize = LANES;
 
 crate::simd::dispatch!(
     /// log10(max(Σ weights · power, floor)) of one mel over a tile's frames into `run`.
@@ -475,6 +539,59 @@ mod tests {
             let f = &mel_filter_bank(201, 128, 0.0, 8000.0, 16000.0)[m];
             let area = 40.0 * f.weights.iter().sum::<f64>();
             assert!((area - 1.0).abs() < 0.02, "mel {m}: {area}");
+        }
+    }
+
+    /// The features the old way: the padded window materialised, every frame through realfft.
+    fn per_frame_reference(fe: &WhisperFeatureExtractor, samples: &[f32]) -> Vec<f32> {
+        let (n_fft, pad, n) = (fe.n_fft, fe.n_fft / 2, fe.n_samples);
+        let used = samples.len().min(n);
+        let mut x = vec![fe.padding_value; n + 2 * pad];
+        x[pad..pad + used].copy_from_slice(&samples[..used]);
+        for k in 1..=pad {
+            x[pad - k] = x[pad + k];
+            x[pad + n - 1 + k] = x[pad + n - 1 - k];
+        }
+        let fft = RealFftPlanner::<f32>::new().plan_fft_forward(n_fft);
+        let mut out = vec![0f32; fe.feature_size * fe.nb_max_frames];
+        for t in 0..fe.nb_max_frames {
+            let mut frame: Vec<f32> =
+                x[t * fe.hop_length..][..n_fft].iter().zip(&fe.window).map(|(a, w)| a * w).collect();
+            let mut spectrum = fft.make_output_vec();
+            fft.process(&mut frame, &mut spectrum).unwrap();
+            for (m, (start, weights)) in fe.filters32.iter().enumerate() {
+                let e: f32 = weights.iter().enumerate().map(|(b, w)| w * spectrum[start + b].norm_sqr()).sum();
+                out[m * fe.nb_max_frames + t] = e.max(MEL_FLOOR).log10();
+            }
+        }
+        let floor = out.iter().cloned().fold(f32::NEG_INFINITY, f32::max) - 8.0;
+        out.iter().map(|v| (v.max(floor) + 4.0) / 4.0).collect()
+    }
+
+    #[test]
+    fn frames_read_in_place_match_the_materialised_window() {
+        // A whole window (the end reflection inside the clip), a short clip (the padding), a
+        // clip starting with silence, and a nonzero padding value (no frame skipped).
+        let fe =
+            WhisperFeatureExtractor::from_json(&serde_json::json!({"feature_size": 80, "chunk_length": 2})).unwrap();
+        let mut padded = fe.clone();
+        padded.padding_value = 0.01;
+        let tone = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    (0.3 * (i as f32 * 0.07).sin() + 0.1 * (i as f32 * 1.3).cos()) * (1.0 + (i % 97) as f32 / 97.0)
+                })
+                .collect()
+        };
+        let mut late = vec![0f32; 9000];
+        late.extend(tone(4000));
+        for (fe, samples) in
+            [(&fe, tone(40_000)), (&fe, tone(32_000)), (&fe, tone(5_123)), (&fe, late), (&padded, tone(7_000))]
+        {
+            let got = fe.extract(&samples).input_features;
+            let want = per_frame_reference(fe, &samples);
+            let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 2e-5, "{} samples: {err}", samples.len());
         }
     }
 
