@@ -12,6 +12,7 @@
 //! | LM head | `language_model.lm_head.weight` | `lm_head.weight` |
 //! | vision tower | `vision_tower.vision_model.*` | `model.vision_tower.vision_model.*` |
 //! | (CLIP tower as transformers 5.24 saves a new model) | `vision_tower.*` | `model.vision_tower.*` |
+//! | (Qwen2-Audio's LM as transformers 5.17 saves a new model) | `language_model.model.model.*` | |
 //! | projector | `multi_modal_projector.*` | `model.multi_modal_projector.*` |
 //! | audio tower (Qwen2-Audio) | `audio_tower.*` | `model.audio_tower.*` |
 //!
@@ -106,6 +107,10 @@ pub struct Weights {
     /// Where the CLIP tower's `CLIPVisionTransformer` is: the naming's, or one level up
     /// (transformers 5.24 saves a newly made LLaVA's tower without `vision_model`).
     vision_prefix: &'static str,
+    /// Where the language model's `embed_tokens`, `layers` and `norm` are: the naming's, or
+    /// one `model.` deeper (transformers 5.17 saves a newly made Qwen2-Audio that way, and
+    /// 5.24 loads it).
+    lm_prefix: &'static str,
 }
 
 impl Weights {
@@ -126,7 +131,9 @@ impl Weights {
             .iter()
             .any(|name| vb.contains_tensor(name))
         };
-        let naming = if probe(Naming::Hub) {
+        const NESTED_LM: &str = "language_model.model.model";
+        let lm_prefix = vb.contains_tensor(&format!("{NESTED_LM}.embed_tokens.weight")).then_some(NESTED_LM);
+        let naming = if probe(Naming::Hub) || lm_prefix.is_some() {
             Naming::Hub
         } else if probe(Naming::V5) {
             Naming::V5
@@ -143,7 +150,8 @@ impl Weights {
             .into_iter()
             .find(|p| vb.contains_tensor(&format!("{p}.embeddings.class_embedding")))
             .unwrap_or(naming.vision_model());
-        Ok(Weights { vb, naming, dummy: false, kernels: Kernels::default(), vision_prefix })
+        let lm_prefix = lm_prefix.unwrap_or(naming.language_model());
+        Ok(Weights { vb, naming, dummy: false, kernels: Kernels::default(), vision_prefix, lm_prefix })
     }
 
     pub(crate) fn from_var_builder(vb: VarBuilder<'static>, dummy: bool) -> Self {
@@ -153,6 +161,7 @@ impl Weights {
             dummy,
             kernels: Kernels::default(),
             vision_prefix: Naming::Hub.vision_model(),
+            lm_prefix: Naming::Hub.language_model(),
         }
     }
 
@@ -183,7 +192,7 @@ impl Weights {
 
     /// `LlamaModel`: embed_tokens, layers, norm.
     pub(crate) fn language_model(&self) -> Scope {
-        self.scope(self.naming.language_model())
+        self.scope(self.lm_prefix)
     }
 
     /// Where the LM head's `weight` lives (absent with tied embeddings).

@@ -98,6 +98,19 @@ fn a_tower_saved_without_vision_model_loads_the_same() {
     }
 }
 
+/// transformers 5.17 saves a newly made Qwen2-Audio's language model one `model.` deeper
+/// (`language_model.model.model.*`), and 5.24 loads that; so do we.
+#[test]
+fn a_language_model_saved_one_level_deeper_loads_the_same() {
+    let hub = prompt_logits(&fixture_dir());
+    let renamed = hub_tensors()
+        .into_iter()
+        .map(|(k, v)| (k.replace("language_model.model.", "language_model.model.model."), v))
+        .collect();
+    let model = TempModel::new("nested-lm", &renamed);
+    assert_eq!(max_abs_diff(&hub, &prompt_logits(&model.0)), 0.0);
+}
+
 #[test]
 fn missing_lm_head_falls_back_to_tied_embeddings() {
     let mut tensors = hub_tensors();
