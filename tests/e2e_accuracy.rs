@@ -35,10 +35,12 @@ fn part(name: &str) -> Value {
 
 /// Exact matches of `model`'s items of the set, and how many there are.
 async fn score(server: &Server, model: &str) -> (usize, usize, Vec<String>) {
-    let expected: Vec<Value> = serde_json::from_slice(&std::fs::read(set_dir().join("expected.json")).unwrap()).unwrap();
+    let expected: Vec<Value> =
+        serde_json::from_slice(&std::fs::read(set_dir().join("expected.json")).unwrap()).unwrap();
     let (mut right, mut total, mut misses) = (0, 0, Vec::new());
     for item in expected.iter().filter(|i| i["model"] == model) {
-        let mut content: Vec<Value> = item["files"].as_array().unwrap().iter().map(|f| part(f.as_str().unwrap())).collect();
+        let mut content: Vec<Value> =
+            item["files"].as_array().unwrap().iter().map(|f| part(f.as_str().unwrap())).collect();
         content.push(json!({"type": "text", "text": item["question"]}));
         let body = json!({
             "model": "default",
@@ -62,7 +64,8 @@ async fn score(server: &Server, model: &str) -> (usize, usize, Vec<String>) {
 #[tokio::test]
 async fn the_audio_model_answers_held_out_clips() {
     // Measured 10/10 on this set (and 96.5% on 200 held-out clips) when it was made.
-    let server = Server::start_model(&repo().join("assets/models/qwen2-audio-clips"), &["--served-model-name", "default"]);
+    let server =
+        Server::start_model(&repo().join("assets/models/qwen2-audio-clips"), &["--served-model-name", "default"]);
     let (right, total, misses) = score(&server, "audio").await;
     assert_eq!(total, 10);
     assert!(right >= 9, "{right}/{total} right: {misses:#?}");
