@@ -41,7 +41,10 @@ TEMPLATE = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
     "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
-SIDE, PATCH = scenes.SIDE, 14
+SIDE = scenes.SIDE
+# The tower's shape, set from the command line before anything is built (worker processes
+# fork after that, so they see the same values).
+PATCH, VISION_HIDDEN, VISION_LAYERS = 8, 192, 6
 IMAGE_TOKENS = (SIDE // PATCH) ** 2
 
 
@@ -68,7 +71,7 @@ def build_tokenizer(out):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
     tok.save(os.path.join(out, "tokenizer.json"))
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "clean_up_tokenization_spaces": False},
+               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1024, "clean_up_tokenization_spaces": False},
               open(os.path.join(out, "tokenizer_config.json"), "w"), indent=2)
     with open(os.path.join(out, "chat_template.jinja"), "w") as f:
         f.write(TEMPLATE)
@@ -77,10 +80,13 @@ def build_tokenizer(out):
 
 
 def build_model(tok):
-    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                              image_size=SIDE, patch_size=PATCH, projection_dim=128)
+    # Heads of 32 dimensions; the first run's 14-pixel patches (64 tokens, 4 × 128) learnt
+    # colours but not shapes (rings read as circles, stars as triangles).
+    vision = CLIPVisionConfig(hidden_size=VISION_HIDDEN, intermediate_size=4 * VISION_HIDDEN,
+                              num_hidden_layers=VISION_LAYERS, num_attention_heads=VISION_HIDDEN // 32,
+                              image_size=SIDE, patch_size=PATCH, projection_dim=VISION_HIDDEN)
     text = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-5,
                        rope_theta=10000.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
@@ -174,7 +180,13 @@ def main():
     ap.add_argument("--eval", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() - 1))
+    ap.add_argument("--patch", type=int, default=PATCH)
+    ap.add_argument("--vision-hidden", type=int, default=VISION_HIDDEN)
+    ap.add_argument("--vision-layers", type=int, default=VISION_LAYERS)
     args = ap.parse_args()
+    global PATCH, VISION_HIDDEN, VISION_LAYERS, IMAGE_TOKENS
+    PATCH, VISION_HIDDEN, VISION_LAYERS = args.patch, args.vision_hidden, args.vision_layers
+    IMAGE_TOKENS = (SIDE // PATCH) ** 2
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     tok = build_tokenizer(args.out)
