@@ -35,6 +35,25 @@ impl MaskJob {
     }
 }
 
+/// One constrained row's matcher following the token just chosen for it, on the pool.
+pub struct AdvanceJob {
+    /// The sequence's index among the running ones.
+    pub index: usize,
+    pub token: u32,
+    pub matcher: Matcher,
+    pub outcome: Result<bool, mmserve_grammar::GrammarError>,
+}
+
+impl AdvanceJob {
+    pub fn new(index: usize, token: u32, matcher: Matcher) -> Self {
+        AdvanceJob { index, token, matcher, outcome: Ok(false) }
+    }
+}
+
+/// Below this many constrained rows a step advances them on its own thread: handing work
+/// to the pool costs more than a few advances.
+const PARALLEL_ADVANCES: usize = 8;
+
 impl MaskPool {
     /// Half the cores, from one to four threads: a mask takes tens of microseconds, a
     /// batch of 64 a few threads' worth of a step.
@@ -64,6 +83,24 @@ impl MaskPool {
             }
             forward()
         })
+    }
+}
+
+impl MaskPool {
+    /// Advances each job's matcher by its token (side by side on the pool when there are
+    /// many): with 64 constrained rows, one after another they were a step's longest serial
+    /// stretch after the forward.
+    pub fn advance(&self, jobs: &mut [AdvanceJob]) {
+        let run = |job: &mut AdvanceJob| job.outcome = job.matcher.advance(job.token);
+        if jobs.len() < PARALLEL_ADVANCES {
+            jobs.iter_mut().for_each(run);
+            return;
+        }
+        self.pool.in_place_scope(|s| {
+            for job in jobs.iter_mut() {
+                s.spawn(move |_| run(job));
+            }
+        });
     }
 }
 

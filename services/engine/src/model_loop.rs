@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use mmserve_arena::ArenaView;
 use mmserve_models::MropePositions;
-use mmserve_protocol::{FinishReason, GenerateRequest, RequestTiming};
+use mmserve_protocol::{FinishReason, GenerateRequest, RequestTiming, TokenLogprobs};
 
-use crate::masks::{MaskJob, MaskPool, apply_on_device};
+use crate::masks::{AdvanceJob, MaskJob, MaskPool, apply_on_device};
 use crate::output::{Detok, OutputProcessor};
 use crate::runner::{Batch, BatchSeq, ModelRunner};
 use crate::sampler::{Next, Pick, SamplingState, next_tokens, pick};
@@ -200,18 +200,23 @@ impl<R: ModelRunner> ModelLoop<R> {
                 return;
             }
         };
-        let mut finished = Vec::new();
+        // Every row's token first; then the constrained rows' matchers follow their tokens
+        // side by side; then each token is published (a complete constraint ends its row).
+        let mut chosen = Vec::with_capacity(plan.len());
         for ((planned, next), mask) in plan.iter().zip(next).zip(masks) {
             if !self.sched.advance(planned) {
                 continue; // a prefill chunk short of the prompt's end
             }
             for f in self.sched.fork_followers(planned.index) {
-                if self.emit(f, next.clone(), None) {
-                    finished.push(f);
-                }
+                chosen.push(self.choose(f, next.clone(), None));
             }
-            if self.emit(planned.index, next, mask.as_deref()) {
-                finished.push(planned.index);
+            chosen.push(self.choose(planned.index, next, mask.as_deref()));
+        }
+        self.advance_constraints(&chosen);
+        let mut finished = Vec::new();
+        for (index, token, logprobs) in chosen {
+            if self.publish_token(index, token, logprobs) {
+                finished.push(index);
             }
         }
         self.sched.finish(finished);
@@ -275,11 +280,39 @@ impl<R: ModelRunner> ModelLoop<R> {
         self.masks.overlap(jobs, || runner.forward(&batch))
     }
 
-    /// Chooses running sequence `index`'s next token from `next` and publishes it.
-    /// Returns whether the sequence finished.
-    fn emit(&mut self, index: usize, next: Next, mask: Option<&[u32]>) -> bool {
+    /// Chooses running sequence `index`'s next token from `next`; its constraint, if any,
+    /// follows in [`advance_constraints`](Self::advance_constraints).
+    fn choose(&mut self, index: usize, next: Next, mask: Option<&[u32]>) -> (usize, u32, Option<TokenLogprobs>) {
         let seq = &mut self.sched.running_mut()[index];
-        let (token, logprobs) = seq.state.sampling.choose(&seq.req.params, next, mask);
+        let (token, logprobs) = seq.state.sampling.choose_unadvanced(&seq.req.params, next, mask);
+        (index, token, logprobs)
+    }
+
+    /// The constrained sequences among `chosen` advance their matchers by their tokens, on
+    /// the mask pool.
+    fn advance_constraints(&mut self, chosen: &[(usize, u32, Option<TokenLogprobs>)]) {
+        let running = self.sched.running_mut();
+        let mut jobs: Vec<AdvanceJob> = chosen
+            .iter()
+            .filter_map(|&(index, token, _)| {
+                running[index].state.sampling.grammar.take().map(|m| AdvanceJob::new(index, token, m))
+            })
+            .collect();
+        if jobs.is_empty() {
+            return;
+        }
+        self.masks.advance(&mut jobs);
+        for job in jobs {
+            let sampling = &mut running[job.index].state.sampling;
+            sampling.grammar = Some(job.matcher);
+            sampling.advanced(job.outcome);
+        }
+    }
+
+    /// Publishes running sequence `index`'s chosen token. Returns whether the sequence
+    /// finished.
+    fn publish_token(&mut self, index: usize, token: u32, logprobs: Option<TokenLogprobs>) -> bool {
+        let seq = &mut self.sched.running_mut()[index];
         seq.output.push(token);
         // A constraint that is complete ends the sequence as a stop token would.
         let stop_token = seq.state.sampling.stop_ids.contains(&token) || seq.state.sampling.constraint_done;

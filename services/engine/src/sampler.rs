@@ -211,11 +211,30 @@ impl SamplingState {
         self
     }
 
+    /// [`choose_unadvanced`](Self::choose_unadvanced) and the constraint's advance in one
+    /// (the engine advances a step's constraints side by side).
+    #[cfg(test)]
+    pub fn choose(
+        &mut self,
+        params: &SamplingParams,
+        next: Next,
+        mask: Option<&[u32]>,
+    ) -> (u32, Option<TokenLogprobs>) {
+        let chosen = self.choose_unadvanced(params, next, mask);
+        if let Some(g) = &mut self.grammar {
+            let outcome = g.advance(chosen.0);
+            self.advanced(outcome);
+        }
+        chosen
+    }
+
     /// The token `next` stands for, with its log-probabilities when asked; advances the
     /// generator by exactly the draws made, wherever they were made. `mask`: the
     /// constraint's mask made for this step (applied already where the device picked);
-    /// without it a constrained sequence makes its own.
-    pub fn choose(
+    /// without it a constrained sequence makes its own. The constraint does not follow
+    /// the token here: the caller advances the matcher and reports the outcome to
+    /// [`advanced`](Self::advanced), so that a step's constrained rows advance side by side.
+    pub fn choose_unadvanced(
         &mut self,
         params: &SamplingParams,
         next: Next,
@@ -238,17 +257,20 @@ impl SamplingState {
                 (token, raw.map(|raw| logprobs(&raw, token, k)))
             }
         };
-        if let Some(g) = &mut self.grammar {
-            match g.advance(token) {
-                Ok(done) => self.constraint_done |= done,
-                Err(e) => {
-                    tracing::warn!("ending a constrained sequence: {e}");
-                    self.constraint_done = true;
-                }
-            }
-        }
         self.history.push(token);
         (token, lps)
+    }
+
+    /// The constraint's outcome for the token just chosen: complete (or failed) ends the
+    /// sequence with it.
+    pub fn advanced(&mut self, outcome: Result<bool, mmserve_grammar::GrammarError>) {
+        match outcome {
+            Ok(done) => self.constraint_done |= done,
+            Err(e) => {
+                tracing::warn!("ending a constrained sequence: {e}");
+                self.constraint_done = true;
+            }
+        }
     }
 
     /// Masks `row` to the tokens the constraint allows (by `mask`, else by a mask made

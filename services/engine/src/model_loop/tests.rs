@@ -428,6 +428,23 @@ fn constrained_sequences_decode_alike_on_every_path() {
     assert_eq!(ids(&log[&31]), alone[2]);
     assert_eq!(ids(&log[&50]), plain_alone, "the unconstrained neighbour");
     assert_eq!(crowd.l.sched.blocks().num_used_blocks(), 0);
+    // Twelve at once: a step's constraints follow their tokens side by side on the pool.
+    let mut wide = Harness::new(setup(512));
+    for copy in 0..3u64 {
+        for (k, (seed, temperature)) in [(0, 0.0), (1, 1.0), (2, 1.0), (3, 0.8)].into_iter().enumerate() {
+            submit(
+                &mut wide,
+                request(100 + 10 * copy + k as u64, prompt.clone(), params(seed, k % 2 == 1, temperature)),
+            );
+        }
+    }
+    let mut log = HashMap::new();
+    wide.run(2000, &mut log);
+    for copy in 0..3u64 {
+        for (k, want) in alone.iter().enumerate() {
+            assert_eq!(&ids(&log[&(100 + 10 * copy + k as u64)]), want, "copy {copy} of request {k}");
+        }
+    }
 }
 
 /// A device pick of a constrained sequence stands only under a mask that allows
