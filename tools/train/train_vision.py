@@ -171,6 +171,7 @@ def evaluate(model, tok, proc, device, n):
 
 
 def main():
+    global PATCH, VISION_HIDDEN, VISION_LAYERS, IMAGE_TOKENS
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=6000)
@@ -184,7 +185,6 @@ def main():
     ap.add_argument("--vision-hidden", type=int, default=VISION_HIDDEN)
     ap.add_argument("--vision-layers", type=int, default=VISION_LAYERS)
     args = ap.parse_args()
-    global PATCH, VISION_HIDDEN, VISION_LAYERS, IMAGE_TOKENS
     PATCH, VISION_HIDDEN, VISION_LAYERS = args.patch, args.vision_hidden, args.vision_layers
     IMAGE_TOKENS = (SIDE // PATCH) ** 2
     os.makedirs(args.out, exist_ok=True)
