@@ -226,7 +226,8 @@ fn decode(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimits) -> Resu
     }
     // Checked again where it matters: nothing longer than the limit reaches the resampler.
     check_length(mono.len(), rate, limits)?;
-    if !mono.iter().all(|x| x.abs() <= MAX_SAMPLE) {
+    // A fold rather than `all`: no early exit, so it vectorises (NaN fails the comparison).
+    if !mono.iter().fold(true, |ok, x| ok & (x.abs() <= MAX_SAMPLE)) {
         return Err(AudioError::BadSamples); // NaN fails the comparison too
     }
     let mut samples = resample(mono, rate, TARGET_SAMPLE_RATE)?;

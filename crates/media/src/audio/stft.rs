@@ -195,41 +195,50 @@ unsafe fn load_avx2(frames: &[&[f32]], window: &[f32], re: &mut [f32], im: &mut 
 /// `q + s·(j + r·m)` (vectors of LANES), output `q + s·(p·j + k)`, `m = len / p`; the `s`
 /// sequences and their lanes are one contiguous run of `s · LANES` values.
 fn stage(st: &Stage, s: usize, xr: &[f32], xi: &[f32], yr: &mut [f32], yi: &mut [f32]) {
-    let (p, m) = (st.p, st.len / st.p);
-    let run = s * LANES;
-    for j in 0..m {
-        let tw = &st.twiddles[j * (p - 1)..][..p - 1];
-        let input = |r: usize| (s * (j + r * m)) * LANES;
-        let output = s * p * j * LANES;
-        let (yr, yi) = (&mut yr[output..output + p * run], &mut yi[output..output + p * run]);
-        match p {
-            2 => radix2(
-                &xr[input(0)..][..run],
-                &xi[input(0)..][..run],
-                &xr[input(1)..][..run],
-                &xi[input(1)..][..run],
-                tw[0],
-                yr,
-                yi,
-            ),
-            4 => {
-                let a = [input(0), input(1), input(2), input(3)];
-                radix4(xr, xi, a, run, [tw[0], tw[1], tw[2]], yr, yi)
+    match st.p {
+        2 => stage2(st, s, xr, xi, yr, yi),
+        3 => stage3(st, s, xr, xi, yr, yi),
+        4 => stage4(st, s, xr, xi, yr, yi),
+        5 => stage5(st, s, xr, xi, yr, yi),
+        p => {
+            let (m, run) = (st.len / p, s * LANES);
+            for j in 0..m {
+                let at: Vec<usize> = (0..p).map(|r| s * (j + r * m) * LANES).collect();
+                let output = s * p * j * LANES;
+                let (yr, yi) = (&mut yr[output..output + p * run], &mut yi[output..output + p * run]);
+                radix_any(xr, xi, &at, run, &st.twiddles[j * (p - 1)..][..p - 1], &st.roots, yr, yi);
             }
-            3 => radix3(xr, xi, [input(0), input(1), input(2)], run, [tw[0], tw[1]], yr, yi),
-            5 => radix5(
-                xr,
-                xi,
-                [input(0), input(1), input(2), input(3), input(4)],
-                run,
-                [tw[0], tw[1], tw[2], tw[3]],
-                yr,
-                yi,
-            ),
-            _ => radix_any(xr, xi, &(0..p).map(input).collect::<Vec<_>>(), run, tw, &st.roots, yr, yi),
         }
     }
 }
+
+/// A radix-`P` stage's loop over `j` around `$kernel`, dispatched once per stage (a
+/// dispatch per butterfly group cost more than the butterflies at the first stages, where
+/// a group is one vector of lanes).
+macro_rules! stage_of_radix {
+    ($name:ident, $kernel_loop:ident, $kernel:ident, $p:literal) => {
+        dispatch_wide!(
+            $name(st: &Stage, s: usize, xr: &[f32], xi: &[f32], yr: &mut [f32], yi: &mut [f32]) -> () => $kernel_loop
+        );
+
+        #[inline(always)]
+        fn $kernel_loop(st: &Stage, s: usize, xr: &[f32], xi: &[f32], yr: &mut [f32], yi: &mut [f32]) {
+            let (m, run) = (st.len / $p, s * LANES);
+            for j in 0..m {
+                let tw: [(f32, f32); $p - 1] = std::array::from_fn(|k| st.twiddles[j * ($p - 1) + k]);
+                let at: [usize; $p] = std::array::from_fn(|r| s * (j + r * m) * LANES);
+                let output = s * $p * j * LANES;
+                let (yr, yi) = (&mut yr[output..output + $p * run], &mut yi[output..output + $p * run]);
+                $kernel(xr, xi, at, run, tw, yr, yi);
+            }
+        }
+    };
+}
+
+stage_of_radix!(stage2, stage2_kernel, radix2_kernel, 2);
+stage_of_radix!(stage3, stage3_kernel, radix3_kernel, 3);
+stage_of_radix!(stage4, stage4_kernel, radix4_kernel, 4);
+stage_of_radix!(stage5, stage5_kernel, radix5_kernel, 5);
 
 /// `y ← y · w` on a run (complex, `w` the same for every element).
 #[inline(always)]
@@ -241,15 +250,13 @@ fn twiddle(yr: &mut [f32], yi: &mut [f32], (c, s): (f32, f32)) {
     }
 }
 
-dispatch_wide!(
-    radix2(ar: &[f32], ai: &[f32], br: &[f32], bi: &[f32], w: (f32, f32), yr: &mut [f32], yi: &mut [f32]) -> () => radix2_kernel
-);
-
 #[inline(always)]
-fn radix2_kernel(ar: &[f32], ai: &[f32], br: &[f32], bi: &[f32], w: (f32, f32), yr: &mut [f32], yi: &mut [f32]) {
-    let n = ar.len();
+fn radix2_kernel(xr: &[f32], xi: &[f32], at: [usize; 2], n: usize, w: [(f32, f32); 1], yr: &mut [f32], yi: &mut [f32]) {
+    let (ar, br) = (&xr[at[0]..][..n], &xr[at[1]..][..n]);
+    let (ai, bi) = (&xi[at[0]..][..n], &xi[at[1]..][..n]);
     let (y0r, y1r) = yr.split_at_mut(n);
     let (y0i, y1i) = yi.split_at_mut(n);
+    let w = w[0];
     for t in 0..n {
         let (a_r, a_i, b_r, b_i) = (ar[t], ai[t], br[t], bi[t]);
         y0r[t] = a_r + b_r;
@@ -259,10 +266,6 @@ fn radix2_kernel(ar: &[f32], ai: &[f32], br: &[f32], bi: &[f32], w: (f32, f32), 
         y1i[t] = dr * w.1 + di * w.0;
     }
 }
-
-dispatch_wide!(
-    radix4(xr: &[f32], xi: &[f32], at: [usize; 4], n: usize, w: [(f32, f32); 3], yr: &mut [f32], yi: &mut [f32]) -> () => radix4_kernel
-);
 
 #[inline(always)]
 fn radix4_kernel(xr: &[f32], xi: &[f32], at: [usize; 4], n: usize, w: [(f32, f32); 3], yr: &mut [f32], yi: &mut [f32]) {
@@ -294,10 +297,6 @@ fn radix4_kernel(xr: &[f32], xi: &[f32], at: [usize; 4], n: usize, w: [(f32, f32
     }
 }
 
-dispatch_wide!(
-    radix3(xr: &[f32], xi: &[f32], at: [usize; 3], n: usize, w: [(f32, f32); 2], yr: &mut [f32], yi: &mut [f32]) -> () => radix3_kernel
-);
-
 #[inline(always)]
 fn radix3_kernel(xr: &[f32], xi: &[f32], at: [usize; 3], n: usize, w: [(f32, f32); 2], yr: &mut [f32], yi: &mut [f32]) {
     const C: f32 = -0.5;
@@ -323,10 +322,6 @@ fn radix3_kernel(xr: &[f32], xi: &[f32], at: [usize; 3], n: usize, w: [(f32, f32
         y2i[t] = v2r * w[1].1 + v2i * w[1].0;
     }
 }
-
-dispatch_wide!(
-    radix5(xr: &[f32], xi: &[f32], at: [usize; 5], n: usize, w: [(f32, f32); 4], yr: &mut [f32], yi: &mut [f32]) -> () => radix5_kernel
-);
 
 #[inline(always)]
 fn radix5_kernel(xr: &[f32], xi: &[f32], at: [usize; 5], n: usize, w: [(f32, f32); 4], yr: &mut [f32], yi: &mut [f32]) {
