@@ -158,37 +158,24 @@ class Batches:
         }
 
 
-@torch.no_grad()
 def evaluate(model, tok, fe, device, n):
-    """Greedy answers to `n` held-out clips (at 16 kHz): exact-match accuracy per question type."""
-    model.eval()
+    """Greedy answers to `n` held-out clips (at 16 kHz)."""
     rng = random.Random(7)
-    right, total, rows = {}, {}, []
+    tally = trainer.Tally()
     for i in range(n):
-        samples, facts = clips.clip(HELD_OUT + i, rate=RATE)[0], clips.clip(HELD_OUT + i, rate=RATE)[2]
+        samples, _, facts = clips.clip(HELD_OUT + i, rate=RATE)
         kind, q, ans = rng.choice(clips.answers(facts))
         ids, _, f, m = encode(tok, fe, samples, q)
         out = model.generate(input_ids=torch.tensor([ids], device=device),
                              input_features=f[None].to(device, model.dtype), feature_attention_mask=m[None].to(device),
                              max_new_tokens=12, do_sample=False)
-        got = tok.decode(out[0, len(ids):], skip_special_tokens=True).strip()
-        total[kind] = total.get(kind, 0) + 1
-        right[kind] = right.get(kind, 0) + int(got == ans)
-        rows.append({"seed": HELD_OUT + i, "kind": kind, "question": q, "answer": ans, "got": got})
-    model.train()
-    return {k: right[k] / total[k] for k in sorted(total)}, rows
+        tally.add(HELD_OUT + i, kind, q, ans, tok.decode(out[0, len(ids):], skip_special_tokens=True).strip())
+    return tally
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--eval", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() - 1))
+    trainer.add_args(ap, steps=4000, evals=300)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -198,11 +185,7 @@ def main():
     model = build_model(tok).to(args.device)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
     trainer.train(model, Batches(tok, fe, args.batch, args.seed), args.steps, args.lr, args.device, args.workers)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(args.out)
-    scores, rows = evaluate(model, tok, fe, args.device, args.eval)
-    json.dump({"scores": scores, "steps": args.steps, "items": rows}, open(os.path.join(args.out, "eval.json"), "w"), indent=1)
-    print(json.dumps(scores), flush=True)
+    trainer.ship(model, args.out, args.steps, lambda m: evaluate(m, tok, fe, args.device, args.eval))
 
 
 if __name__ == "__main__":

@@ -151,36 +151,23 @@ def pixels(proc, images, model, device):
     return proc(images=images, return_tensors="pt")["pixel_values"].to(device, model.dtype)
 
 
-@torch.no_grad()
 def evaluate(model, tok, proc, device, n):
-    """Greedy answers to `n` held-out items: exact-match accuracy per question type."""
-    model.eval()
+    """Greedy answers to `n` held-out items."""
     rng = random.Random(7)
-    right, total, rows = {}, {}, []
+    tally = trainer.Tally()
     for i in range(n):
         images, q, ans, kind = example(HELD_OUT + i, rng)
         p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS), return_tensors="pt").to(device)
         pv = pixels(proc, images, model, device)
         out = model.generate(**p, pixel_values=pv, max_new_tokens=24, do_sample=False)
-        got = tok.decode(out[0, p["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-        total[kind] = total.get(kind, 0) + 1
-        right[kind] = right.get(kind, 0) + int(got == ans)
-        rows.append({"seed": HELD_OUT + i, "kind": kind, "question": q, "answer": ans, "got": got})
-    model.train()
-    return {k: right[k] / total[k] for k in sorted(total)}, rows
+        tally.add(HELD_OUT + i, kind, q, ans, tok.decode(out[0, p["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return tally
 
 
 def main():
     global PATCH, VISION_HIDDEN, VISION_LAYERS, IMAGE_TOKENS
     ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--steps", type=int, default=6000)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--eval", type=int, default=500)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() - 1))
+    trainer.add_args(ap, steps=6000, evals=500)
     ap.add_argument("--patch", type=int, default=PATCH)
     ap.add_argument("--vision-hidden", type=int, default=VISION_HIDDEN)
     ap.add_argument("--vision-layers", type=int, default=VISION_LAYERS)
@@ -195,12 +182,7 @@ def main():
     proc.save_pretrained(args.out)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
     trainer.train(model, Batches(tok, proc, args.batch, args.seed), args.steps, args.lr, args.device, args.workers)
-    # Shipped in bf16 (under 10 MB), and evaluated as shipped.
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(args.out)
-    scores, rows = evaluate(model, tok, proc, args.device, args.eval)
-    json.dump({"scores": scores, "steps": args.steps, "items": rows}, open(os.path.join(args.out, "eval.json"), "w"), indent=1)
-    print(json.dumps(scores), flush=True)
+    trainer.ship(model, args.out, args.steps, lambda m: evaluate(m, tok, proc, args.device, args.eval))
 
 
 if __name__ == "__main__":

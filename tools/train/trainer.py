@@ -3,6 +3,8 @@
 pure function of its step number, so a run is reproducible whatever the worker count;
 AdamW with a one-cycle schedule, bf16 autocast on the GPU, gradient clipping."""
 
+import json
+import os
 import time
 
 import torch
@@ -42,3 +44,44 @@ def train(model, make, steps, lr, device, workers):
         if step % 250 == 0 or step == steps - 1:
             print(f"step {step} loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
     return model
+
+
+def add_args(ap, steps, evals):
+    """The flags both training scripts take."""
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eval", type=int, default=evals)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() - 1))
+
+
+class Tally:
+    """Exact-match answers per question type, and every answer given."""
+
+    def __init__(self):
+        self.right, self.total, self.rows = {}, {}, []
+
+    def add(self, seed, kind, question, answer, got):
+        self.total[kind] = self.total.get(kind, 0) + 1
+        self.right[kind] = self.right.get(kind, 0) + int(got == answer)
+        self.rows.append({"seed": seed, "kind": kind, "question": question, "answer": answer, "got": got})
+
+    def scores(self):
+        return {k: self.right[k] / self.total[k] for k in sorted(self.total)}
+
+
+def ship(model, out, steps, evaluate):
+    """Saves `model` in bf16 (what ships) and writes `eval.json` with `evaluate(model)`'s
+    tally, scored on the bf16 weights."""
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out)
+    model.eval()
+    with torch.no_grad():
+        tally = evaluate(model)
+    scores = tally.scores()
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump({"scores": scores, "steps": steps, "items": tally.rows}, f, indent=1)
+    print(json.dumps(scores), flush=True)
