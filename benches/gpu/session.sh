@@ -19,6 +19,11 @@ MMSERVE_LOG=warn timeout 150 $bin bench engine --model /tmp/qwen25 --clients 1,6
   --prompt-tokens 128 --output-tokens 64 --rounds 2 --repeats 0 \
   --serve-arg=--load-format=dummy --serve-arg=--device=cuda --serve-arg=--dtype=bfloat16 \
   --serve-arg=--kv-cache-memory=40GiB 2>&1 | grep -vE "^\s*$|shutting down"
+echo "== Qwen2.5-VL-7B shapes end to end: 64 requests with distinct images, then the same again"
+MMSERVE_LOG=warn timeout 150 $bin bench engine --model /tmp/qwen25 --clients 1 --image-clients 64 \
+  --prompt-tokens 64 --output-tokens 128 --rounds 1 --repeats 0 \
+  --serve-arg=--load-format=dummy --serve-arg=--device=cuda --serve-arg=--dtype=bfloat16 \
+  --serve-arg=--kv-cache-memory=40GiB 2>&1 | grep -vE "^\s*$|shutting down"
 echo "== Qwen-VL tiny fixtures through serve"
 timeout 90 python3 benches/gpu/qwen_vl_smoke.py $bin 2>&1 | grep -E "identical|DIFFERENT|Error"
 echo "== mmserve bench model, Qwen2.5-VL-7B shapes"
