@@ -84,8 +84,7 @@ async fn a_folder_of_mixed_files_gives_one_record_each_and_the_chat_apis_caption
     for name in ["a.png", "b.jpg", "sub/c.bmp"] {
         let bytes = std::fs::read(photos.join(name)).unwrap();
         let mime = if name.ends_with("jpg") { "image/jpeg" } else { "image/png" };
-        use base64::Engine;
-        let url = format!("data:{mime};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+        let url = format!("data:{mime};base64,{}", b64(&bytes));
         let (status, v) = server
             .chat(&json!({
                 "model": "llava-tiny", "max_tokens": 6, "temperature": 0.0, "top_p": 1.0,

@@ -15,11 +15,6 @@ fn set_dir() -> PathBuf {
     repo().join("tests/data/accuracy")
 }
 
-fn b64(bytes: &[u8]) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
 /// The content part for one file of the set, by its extension.
 fn part(name: &str) -> Value {
     let bytes = std::fs::read(set_dir().join(name)).unwrap();

@@ -19,11 +19,6 @@ fn media_file(name: &str) -> Vec<u8> {
     std::fs::read(repo().join("crates/media/tests/data/audio").join(name)).unwrap()
 }
 
-fn b64(bytes: &[u8]) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
 fn input_audio(bytes: &[u8], format: &str) -> Value {
     json!({"type": "input_audio", "input_audio": {"data": b64(bytes), "format": format}})
 }

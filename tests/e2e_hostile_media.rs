@@ -12,11 +12,6 @@ use common::wav::wav16;
 use common::*;
 use serde_json::{Value, json};
 
-fn b64(bytes: &[u8]) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
 fn audio_dir() -> PathBuf {
     repo().join("assets/models/qwen2-audio-tiny")
 }

@@ -153,9 +153,14 @@ impl Drop for Server {
     }
 }
 
-pub fn data_url(png: &[u8]) -> String {
+/// Standard base64, as `data:` URLs and `input_audio.data` carry bytes.
+pub fn b64(bytes: &[u8]) -> String {
     use base64::Engine;
-    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png))
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+pub fn data_url(png: &[u8]) -> String {
+    format!("data:image/png;base64,{}", b64(png))
 }
 
 pub fn fixture_png() -> Vec<u8> {

@@ -84,9 +84,7 @@ impl MaskPool {
             forward()
         })
     }
-}
 
-impl MaskPool {
     /// Advances each job's matcher by its token (side by side on the pool when there are
     /// many): with 64 constrained rows, one after another they were a step's longest serial
     /// stretch after the forward.

@@ -211,23 +211,6 @@ impl SamplingState {
         self
     }
 
-    /// [`choose_unadvanced`](Self::choose_unadvanced) and the constraint's advance in one
-    /// (the engine advances a step's constraints side by side).
-    #[cfg(test)]
-    pub fn choose(
-        &mut self,
-        params: &SamplingParams,
-        next: Next,
-        mask: Option<&[u32]>,
-    ) -> (u32, Option<TokenLogprobs>) {
-        let chosen = self.choose_unadvanced(params, next, mask);
-        if let Some(g) = &mut self.grammar {
-            let outcome = g.advance(chosen.0);
-            self.advanced(outcome);
-        }
-        chosen
-    }
-
     /// The token `next` stands for, with its log-probabilities when asked; advances the
     /// generator by exactly the draws made, wherever they were made. `mask`: the
     /// constraint's mask made for this step (applied already where the device picked);

@@ -226,9 +226,9 @@ fn decode(bytes: &[u8], format_hint: Option<&str>, limits: &AudioLimits) -> Resu
     }
     // Checked again where it matters: nothing longer than the limit reaches the resampler.
     check_length(mono.len(), rate, limits)?;
-    // A fold rather than `all`: no early exit, so it vectorises (NaN fails the comparison).
+    // A fold rather than `all`: no early exit, so it vectorises. NaN fails the comparison.
     if !mono.iter().fold(true, |ok, x| ok & (x.abs() <= MAX_SAMPLE)) {
-        return Err(AudioError::BadSamples); // NaN fails the comparison too
+        return Err(AudioError::BadSamples);
     }
     let mut samples = resample(mono, rate, TARGET_SAMPLE_RATE)?;
     samples.truncate(limits.keep_samples.unwrap_or(usize::MAX));

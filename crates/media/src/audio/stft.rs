@@ -81,7 +81,11 @@ impl Stft {
         for p in factor(m)? {
             let twiddles =
                 (0..len / p).flat_map(|j| (1..p).map(move |k| cis(-TAU * (j * k) as f64 / len as f64))).collect();
-            let roots = (0..p * p).map(|rk| cis(-TAU * ((rk / p) * (rk % p)) as f64 / p as f64)).collect();
+            let roots = if p > 5 {
+                (0..p * p).map(|rk| cis(-TAU * ((rk / p) * (rk % p)) as f64 / p as f64)).collect()
+            } else {
+                Vec::new() // radices 2 to 5 have their constants in their kernels
+            };
             stages.push(Stage { p, len, twiddles, roots });
             len /= p;
         }
@@ -123,7 +127,6 @@ fn transform(plan: &Stft, frames: &[&[f32]], window: &[f32], s: &mut Scratch, ou
 }
 
 /// The complex input `z[j] = x[2j]·w[2j] + i·x[2j+1]·w[2j+1]`, frame `f` in lane `f`.
-#[inline(always)]
 fn load(frames: &[&[f32]], window: &[f32], re: &mut [f32], im: &mut [f32]) {
     let n = window.len();
     assert!(frames.iter().all(|f| f.len() == n) && re.len() >= n / 2 * LANES && im.len() >= n / 2 * LANES);
@@ -240,13 +243,17 @@ stage_of_radix!(stage3, stage3_kernel, radix3_kernel, 3);
 stage_of_radix!(stage4, stage4_kernel, radix4_kernel, 4);
 stage_of_radix!(stage5, stage5_kernel, radix5_kernel, 5);
 
+/// The complex product `(a + ib)(c + is)`: every twiddle of every kernel.
+#[inline(always)]
+fn cmul((a, b): (f32, f32), (c, s): (f32, f32)) -> (f32, f32) {
+    (a * c - b * s, a * s + b * c)
+}
+
 /// `y ← y · w` on a run (complex, `w` the same for every element).
 #[inline(always)]
-fn twiddle(yr: &mut [f32], yi: &mut [f32], (c, s): (f32, f32)) {
+fn twiddle(yr: &mut [f32], yi: &mut [f32], w: (f32, f32)) {
     for (r, i) in yr.iter_mut().zip(yi.iter_mut()) {
-        let (a, b) = (*r, *i);
-        *r = a * c - b * s;
-        *i = a * s + b * c;
+        (*r, *i) = cmul((*r, *i), w);
     }
 }
 
@@ -261,9 +268,7 @@ fn radix2_kernel(xr: &[f32], xi: &[f32], at: [usize; 2], n: usize, w: [(f32, f32
         let (a_r, a_i, b_r, b_i) = (ar[t], ai[t], br[t], bi[t]);
         y0r[t] = a_r + b_r;
         y0i[t] = a_i + b_i;
-        let (dr, di) = (a_r - b_r, a_i - b_i);
-        y1r[t] = dr * w.0 - di * w.1;
-        y1i[t] = dr * w.1 + di * w.0;
+        (y1r[t], y1i[t]) = cmul((a_r - b_r, a_i - b_i), w);
     }
 }
 
@@ -285,15 +290,9 @@ fn radix4_kernel(xr: &[f32], xi: &[f32], at: [usize; 4], n: usize, w: [(f32, f32
         let (t3r, t3i) = (a1i[t] - a3i[t], a3r[t] - a1r[t]);
         y0r[t] = t0r + t2r;
         y0i[t] = t0i + t2i;
-        let (b1r, b1i) = (t1r + t3r, t1i + t3i);
-        let (b2r, b2i) = (t0r - t2r, t0i - t2i);
-        let (b3r, b3i) = (t1r - t3r, t1i - t3i);
-        y1r[t] = b1r * w[0].0 - b1i * w[0].1;
-        y1i[t] = b1r * w[0].1 + b1i * w[0].0;
-        y2r[t] = b2r * w[1].0 - b2i * w[1].1;
-        y2i[t] = b2r * w[1].1 + b2i * w[1].0;
-        y3r[t] = b3r * w[2].0 - b3i * w[2].1;
-        y3i[t] = b3r * w[2].1 + b3i * w[2].0;
+        (y1r[t], y1i[t]) = cmul((t1r + t3r, t1i + t3i), w[0]);
+        (y2r[t], y2i[t]) = cmul((t0r - t2r, t0i - t2i), w[1]);
+        (y3r[t], y3i[t]) = cmul((t1r - t3r, t1i - t3i), w[2]);
     }
 }
 
@@ -315,11 +314,8 @@ fn radix3_kernel(xr: &[f32], xi: &[f32], at: [usize; 3], n: usize, w: [(f32, f32
         let (tr, ti) = (a0r[t] + C * br, a0i[t] + C * bi);
         // u = −i·s·d
         let (ur, ui) = (s * di, -s * dr);
-        let (v1r, v1i, v2r, v2i) = (tr + ur, ti + ui, tr - ur, ti - ui);
-        y1r[t] = v1r * w[0].0 - v1i * w[0].1;
-        y1i[t] = v1r * w[0].1 + v1i * w[0].0;
-        y2r[t] = v2r * w[1].0 - v2i * w[1].1;
-        y2i[t] = v2r * w[1].1 + v2i * w[1].0;
+        (y1r[t], y1i[t]) = cmul((tr + ur, ti + ui), w[0]);
+        (y2r[t], y2i[t]) = cmul((tr - ur, ti - ui), w[1]);
     }
 }
 
@@ -352,9 +348,8 @@ fn radix5_kernel(xr: &[f32], xi: &[f32], at: [usize; 5], n: usize, w: [(f32, f32
         let v = [(t1r + u1i, t1i - u1r), (t2r + u2i, t2i - u2r), (t2r - u2i, t2i + u2r), (t1r - u1i, t1i + u1r)];
         let ys: [(&mut [f32], &mut [f32]); 4] =
             [(&mut *y1r, &mut *y1i), (&mut *y2r, &mut *y2i), (&mut *y3r, &mut *y3i), (&mut *y4r, &mut *y4i)];
-        for ((yr, yi), ((vr, vi), (c, s))) in ys.into_iter().zip(v.into_iter().zip(w)) {
-            yr[t] = vr * c - vi * s;
-            yi[t] = vr * s + vi * c;
+        for ((yr, yi), (v, w)) in ys.into_iter().zip(v.into_iter().zip(w)) {
+            (yr[t], yi[t]) = cmul(v, w);
         }
     }
 }
@@ -377,11 +372,10 @@ fn radix_any(
         or.fill(0.0);
         oi.fill(0.0);
         for (r, &a) in at.iter().enumerate() {
-            let (c, s) = roots[r * p + k];
             for t in 0..n {
-                let (ar, ai) = (xr[a + t], xi[a + t]);
-                or[t] += ar * c - ai * s;
-                oi[t] += ar * s + ai * c;
+                let (pr, pi) = cmul((xr[a + t], xi[a + t]), roots[r * p + k]);
+                or[t] += pr;
+                oi[t] += pi;
             }
         }
         if k > 0 {
@@ -408,8 +402,8 @@ fn split_power_kernel(zr: &[f32], zi: &[f32], split: &[(f32, f32)], out: &mut [f
             // E = ((ar + br) + i(ai − bi)) / 2; O = ((ai + bi) − i(ar − br)) / 2.
             let (er, ei) = (0.5 * (ar[l] + br[l]), 0.5 * (ai[l] - bi[l]));
             let (or, oi) = (0.5 * (ai[l] + bi[l]), -0.5 * (ar[l] - br[l]));
-            let xr = er + (or * c - oi * s);
-            let xi = ei + (or * s + oi * c);
+            let (wr, wi) = cmul((or, oi), (c, s));
+            let (xr, xi) = (er + wr, ei + wi);
             o[l] = xr * xr + xi * xi;
         }
     }

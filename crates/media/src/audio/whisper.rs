@@ -232,10 +232,9 @@ impl WhisperFeatureExtractor {
         let mut tile = vec![0f32; bins * TILE];
         let mut out = vec![0f32; n_mels * n_frames];
         let mut edges = vec![0f32; TILE * n_fft];
-        let mut scratch = match &self.spectra {
-            Spectra::Vertical(stft) => Some(stft.scratch()),
-            Spectra::PerFrame(_) => None,
-        };
+        let mut scratch = None;
+        // A frame starting at `at` lies inside the clip: read in place.
+        let inside = |at: usize| at >= pad && at + n_fft <= pad + used;
         for t0 in (0..n_frames).step_by(TILE) {
             let width = TILE.min(n_frames - t0);
             let starts = (t0..t0 + width).map(|t| t * hop);
@@ -244,7 +243,7 @@ impl WhisperFeatureExtractor {
             } else {
                 // Copies of the frames that reach into the padding first, then borrows.
                 for (f, at) in starts.clone().enumerate() {
-                    if at < pad || at + n_fft > pad + used {
+                    if !inside(at) {
                         for (k, v) in edges[f * n_fft..][..n_fft].iter_mut().enumerate() {
                             *v = padded(at + k);
                         }
@@ -252,20 +251,16 @@ impl WhisperFeatureExtractor {
                 }
                 let frames: Vec<&[f32]> = starts
                     .enumerate()
-                    .map(|(f, at)| {
-                        if at < pad || at + n_fft > pad + used {
-                            &edges[f * n_fft..][..n_fft]
-                        } else {
-                            &samples[at - pad..][..n_fft]
-                        }
-                    })
+                    .map(
+                        |(f, at)| if inside(at) { &samples[at - pad..][..n_fft] } else { &edges[f * n_fft..][..n_fft] },
+                    )
                     .collect();
-                match (&self.spectra, &mut scratch) {
-                    (Spectra::Vertical(stft), Some(scratch)) => {
+                match &self.spectra {
+                    Spectra::Vertical(stft) => {
+                        let scratch = scratch.get_or_insert_with(|| stft.scratch());
                         stft.power_spectra(&frames, &self.window, scratch, &mut tile);
                     }
-                    (Spectra::PerFrame(fft), _) => self.per_frame(fft.as_ref(), &frames, &mut tile),
-                    (Spectra::Vertical(_), None) => unreachable!("scratch made above"),
+                    Spectra::PerFrame(fft) => self.per_frame(fft.as_ref(), &frames, &mut tile),
                 }
             }
             for (m, (start, weights)) in self.filters32.iter().enumerate() {
