@@ -17,13 +17,15 @@ questions whose answers the clip decides:
     "Is there noise?"                   -> "Yes." / "No."
 
 Everything is a function of the seed; `clip(seed)` returns float samples in [-1, 1] at its
-own sample rate. `encode(samples, rate, fmt)` writes WAV, FLAC or MP3 bytes (soundfile with
-libsndfile >= 1.1), for the evaluation through the server; training needs numpy alone.
+own sample rate. `encode(samples, rate, fmt)` writes WAV bytes (the standard library), or FLAC or MP3
+(soundfile with libsndfile >= 1.1), for the evaluation through the server; training needs
+numpy alone.
 """
 
 import io
 import math
 import random
+import wave
 
 import numpy as np
 
@@ -32,6 +34,8 @@ NUMBERS = ["None", "One", "Two", "Three", "Four"]
 KINDS = ["beeps", "tone", "chirp", "noise", "silence"]
 RATES = [8000, 16000, 22050, 44100, 48000]
 MAX_SECONDS = 3.5
+# Seeds from here on are held out: training draws below HELD_OUT // 2.
+HELD_OUT = 10**9
 QUESTIONS = {
     "describe": "What do you hear?",
     "count": "How many beeps?",
@@ -146,13 +150,19 @@ def words():
 
 
 def encode(samples, rate, fmt):
-    """The clip as a file's bytes: 16-bit WAV, FLAC, or MP3."""
-    import soundfile as sf
-
+    """The clip as a file's bytes: 16-bit WAV (the standard library's writer), or FLAC or
+    MP3 (soundfile)."""
     buf = io.BytesIO()
     if fmt == "wav":
-        sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
-    elif fmt == "flac":
+        with wave.open(buf, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(rate)
+            w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+        return buf.getvalue()
+    import soundfile as sf
+
+    if fmt == "flac":
         sf.write(buf, samples, rate, format="FLAC", subtype="PCM_16")
     elif fmt == "mp3":
         sf.write(buf, samples, rate, format="MP3", subtype="MPEG_LAYER_III")

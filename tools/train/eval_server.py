@@ -23,7 +23,6 @@ import random
 import sys
 import time
 import urllib.request
-import wave
 
 import numpy as np
 
@@ -31,39 +30,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import clips  # noqa: E402
 import scenes  # noqa: E402
 
-HELD_OUT = 10**9
-
 
 def vision_items(n):
     """(files as (name, bytes, mime), question, answer, kind) for held-out scenes, drawn as
-    train_vision.py's `example` draws them."""
+    train_vision.py's evaluation draws them."""
     rng = random.Random(7)
     for i in range(n):
-        seed = HELD_OUT + i
-        if rng.random() < 0.12:
-            (a, sa), (b, sb) = scenes.scene(seed), scenes.scene(seed + HELD_OUT // 2)
-            kind, q, ans = scenes.compare(sa, sb)
-            images = [(a, seed), (b, seed + HELD_OUT // 2)]
-        else:
-            img, shapes = scenes.scene(seed)
-            kind, q, ans = rng.choice(scenes.questions(shapes, rng))
-            images = [(img, seed)]
+        images, q, ans, kind = scenes.item(scenes.HELD_OUT + i, rng)
         files = []
         for k, (img, s) in enumerate(images):
             data = scenes.encode(img, s)
             mime = "image/png" if data[:4] == b"\x89PNG" else "image/jpeg"
-            files.append((f"scene_{seed}_{k}.{mime.split('/')[1]}", data, mime))
+            files.append((f"scene_{scenes.HELD_OUT + i}_{k}.{mime.split('/')[1]}", data, mime))
         yield files, q, ans, kind
-
-
-def _wav(samples, rate):
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def audio_items(n, wav_only):
@@ -74,11 +53,11 @@ def audio_items(n, wav_only):
         wav_only = True
     rng = random.Random(7)
     for i in range(n):
-        seed = HELD_OUT + i
+        seed = clips.HELD_OUT + i
         samples, rate, facts = clips.clip(seed)
         kind, q, ans = rng.choice(clips.answers(facts))
         fmt = "wav" if wav_only else ["wav", "flac", "mp3"][i % 3]
-        data = _wav(samples, rate) if fmt == "wav" else clips.encode(samples, rate, fmt)
+        data = clips.encode(samples, rate, fmt)
         mime = {"wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}[fmt]
         yield [(f"clip_{seed}.{fmt}", data, mime)], q, ans, kind
 

@@ -35,6 +35,8 @@ BACKGROUNDS = [(255, 255, 255), (235, 235, 235), (245, 240, 225), (225, 232, 240
 NUMBERS = ["None", "One", "Two", "Three", "Four"]
 PLURAL = {s: s + "s" for s in SHAPES} | {"cross": "crosses"}
 SIDE = 112
+# Seeds from here on are held out: training draws below HELD_OUT // 2.
+HELD_OUT = 10**9
 
 
 def _polygon(cx, cy, r, n, rot, inner=None):
@@ -73,7 +75,8 @@ def _words(shapes):
         groups[(c, s)] = groups.get((c, s), 0) + 1
     parts = []
     for (c, s), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
-        parts.append(f"a {c} {s}" if n == 1 else f"{NUMBERS[n].lower()} {c} {PLURAL[s]}")
+        article = "an" if c[0] in "aeiou" else "a"
+        parts.append(f"{article} {c} {s}" if n == 1 else f"{NUMBERS[n].lower()} {c} {PLURAL[s]}")
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
@@ -140,6 +143,24 @@ def compare(a, b):
     """The two-image question about scenes with shapes `a` and `b`."""
     ans = "The first." if len(a) > len(b) else "The second." if len(b) > len(a) else "Neither."
     return ("compare", "Which image has more shapes?", ans)
+
+
+# The second scene of a two-image question is scene `seed + PAIR`: far from every seed a
+# training run or an evaluation draws.
+PAIR = 5 * 10**8
+
+
+def item(seed, rng):
+    """One question about scene `seed` (about 12% of them about it and scene `seed + PAIR`):
+    ([(image, its seed)], question, answer, kind), the question drawn with `rng`. Training,
+    the training script's evaluation and the evaluation through a server all draw this way."""
+    if rng.random() < 0.12:
+        (a, sa), (b, sb) = scene(seed), scene(seed + PAIR)
+        kind, q, ans = compare(sa, sb)
+        return [(a, seed), (b, seed + PAIR)], q, ans, kind
+    img, shapes = scene(seed)
+    kind, q, ans = rng.choice(questions(shapes, rng))
+    return [(img, seed)], q, ans, kind
 
 
 if __name__ == "__main__":

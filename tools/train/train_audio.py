@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import clips  # noqa: E402
 import trainer  # noqa: E402
 
-HELD_OUT = 10**9
+HELD_OUT = clips.HELD_OUT
 RATE, CHUNK = 16000, 4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 SYSTEM = "You are a helpful assistant."
@@ -106,10 +106,10 @@ def audio_tokens(frames):
 def at_16k(seed):
     """A clip at 16 kHz. A third of training clips are made at 8 kHz and upsampled (linearly),
     so the model has heard band-limited sound too."""
-    samples, rate, facts = clips.clip(seed, rate=RATE)
     if random.Random(seed ^ 0x5EED).random() < 0.3:
-        low, _, _ = clips.clip(seed, rate=8000)
-        samples = np.interp(np.arange(2 * len(low)) / 2, np.arange(len(low)), low).astype(np.float32)
+        low, _, facts = clips.clip(seed, rate=8000)
+        return np.interp(np.arange(2 * len(low)) / 2, np.arange(len(low)), low).astype(np.float32), facts
+    samples, _, facts = clips.clip(seed, rate=RATE)
     return samples, facts
 
 

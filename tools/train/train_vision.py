@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scenes  # noqa: E402
 import trainer  # noqa: E402
 
-HELD_OUT = 10**9
+HELD_OUT = scenes.HELD_OUT
 SPECIALS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
 # LLaVA-1.5's template: "USER: <image>\n{question} ASSISTANT: {answer}</s>".
 TEMPLATE = (
@@ -51,7 +51,7 @@ IMAGE_TOKENS = (SIDE // PATCH) ** 2
 def corpus():
     """Every word the prompts and answers use, for the tokenizer."""
     words = ["USER:", "ASSISTANT:", "Describe the image.", "Which image has more shapes?", "The first.",
-             "The second.", "Neither.", "Yes.", "No.", "None.", ", and ."]
+             "The second.", "Neither.", "Yes.", "No.", "None.", ", and .", "a an"]
     for s in scenes.SHAPES:
         words += [s, scenes.PLURAL[s], f"How many {scenes.PLURAL[s]} are there?", f"What colour is the {s}?",
                   f"Is there a {s} on the left?", f"Is there a {s} on the right?"]
@@ -102,13 +102,8 @@ def image_processor():
 
 def example(seed, rng):
     """One training or evaluation item: (images, question, answer, kind)."""
-    if rng.random() < 0.12:
-        (a, sa), (b, sb) = scenes.scene(seed), scenes.scene(seed + HELD_OUT // 2)
-        kind, q, ans = scenes.compare(sa, sb)
-        return [a, b], q, ans, kind
-    img, shapes = scenes.scene(seed)
-    kind, q, ans = rng.choice(scenes.questions(shapes, rng))
-    return [img], q, ans, kind
+    images, q, ans, kind = scenes.item(seed, rng)
+    return [img for img, _ in images], q, ans, kind
 
 
 def prompt(q, n_images):
