@@ -79,7 +79,9 @@ impl Server {
                 panic!("mmserve serve did not come up within 120 s");
             }
         };
-        Server { child: Some(child), url, http: reqwest::Client::new() }
+        // Every request a test makes is bounded: a hung server fails the test, not CI's clock.
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+        Server { child: Some(child), url, http }
     }
 
     pub fn pid(&self) -> u32 {

@@ -249,18 +249,17 @@ impl WhisperFeatureExtractor {
                         }
                     }
                 }
-                let frames: Vec<&[f32]> = starts
-                    .enumerate()
-                    .map(
-                        |(f, at)| if inside(at) { &samples[at - pad..][..n_fft] } else { &edges[f * n_fft..][..n_fft] },
-                    )
-                    .collect();
+                let mut group: [&[f32]; TILE] = [&[]; TILE];
+                for (f, at) in starts.enumerate() {
+                    group[f] = if inside(at) { &samples[at - pad..][..n_fft] } else { &edges[f * n_fft..][..n_fft] };
+                }
+                let frames = &group[..width];
                 match &self.spectra {
                     Spectra::Vertical(stft) => {
                         let scratch = scratch.get_or_insert_with(|| stft.scratch());
-                        stft.power_spectra(&frames, &self.window, scratch, &mut tile);
+                        stft.power_spectra(frames, &self.window, scratch, &mut tile);
                     }
-                    Spectra::PerFrame(fft) => self.per_frame(fft.as_ref(), &frames, &mut tile),
+                    Spectra::PerFrame(fft) => self.per_frame(fft.as_ref(), frames, &mut tile),
                 }
             }
             for (m, (start, weights)) in self.filters32.iter().enumerate() {
