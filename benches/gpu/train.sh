@@ -6,13 +6,16 @@
 # /v1/chat/completions; also serves the shipped audio model (assets/models/qwen2-audio-clips)
 # on the GPU in bf16 (clips as WAV: the machine has no soundfile).
 #
-#   VARIANTS="name:flags;name:flags" STEPS=5000 bash benches/gpu/train.sh
+#   VARIANTS="name:flags;name:flags" STEPS=4000 BATCH=96 bash benches/gpu/train.sh
+#
+# Each trainer stops by MAX_SECONDS (the machine's 10-minute limit on a command has to
+# cover the serving and scoring too).
 set -uo pipefail
 bin=.gpu/bin/mmserve
 out="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-steps="${STEPS:-5000}"
+steps="${STEPS:-4000}" batch="${BATCH:-96}" max_seconds="${MAX_SECONDS:-380}"
 variants="${VARIANTS:-p8w192:--patch 8 --vision-hidden 192 --vision-layers 6;p8lr5:--patch 8 --vision-hidden 192 --vision-layers 6 --lr 5e-4;p14w192:--patch 14 --vision-hidden 192 --vision-layers 6}"
 IFS=';' read -ra list <<< "$variants"
 names=()
@@ -20,7 +23,8 @@ for v in "${list[@]}"; do
   name="${v%%:*}" flags="${v#*:}"
   names+=("$name")
   # shellcheck disable=SC2086
-  python3 tools/train/train_vision.py "/tmp/$name" --steps "$steps" --eval 200 --workers 4 $flags \
+  python3 tools/train/train_vision.py "/tmp/$name" --steps "$steps" --batch "$batch" --max-seconds "$max_seconds" \
+    --eval 50 --workers 4 $flags \
     > "$out/train_$name.log" 2>&1 &
 done
 wait

@@ -23,6 +23,7 @@ import random
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -88,8 +89,11 @@ def score(url, model, items):
     model = model or served_model(url)
     right, total, misses = {}, {}, []
     t0 = time.time()
-    for files, q, ans, kind in items:
-        got = ask(url, model, files, q, kind)
+    items = list(items)
+    # Sixteen requests in flight, as a server is used.
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda it: ask(url, model, it[0], it[1], it[3]), items))
+    for (files, q, ans, kind), got in zip(items, answers):
         total[kind] = total.get(kind, 0) + 1
         right[kind] = right.get(kind, 0) + int(got == ans)
         if got != ans and len(misses) < 20:

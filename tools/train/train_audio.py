@@ -184,7 +184,8 @@ def main():
     save_configs(args.out, tok)
     model = build_model(tok).to(args.device)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
-    trainer.train(model, Batches(tok, fe, args.batch, args.seed), args.steps, args.lr, args.device, args.workers)
+    trainer.train(model, Batches(tok, fe, args.batch, args.seed), args.steps, args.lr, args.device, args.workers,
+                  args.max_seconds)
     trainer.ship(model, args.out, args.steps, lambda m: evaluate(m, tok, fe, args.device, args.eval))
 
 

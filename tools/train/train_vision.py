@@ -12,11 +12,13 @@ Tooling, not the server: it needs torch and transformers (5.x), as the GPU machi
 """
 
 import argparse
+import io
 import json
 import os
 import random
 import sys
 import torch
+from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPImageProcessorPil,
@@ -101,9 +103,10 @@ def image_processor():
 
 
 def example(seed, rng):
-    """One training or evaluation item: (images, question, answer, kind)."""
+    """One training or evaluation item: (images, question, answer, kind), each image through
+    the PNG or JPEG encoding a server is sent (so JPEG's artefacts are in training too)."""
     images, q, ans, kind = scenes.item(seed, rng)
-    return [img for img, _ in images], q, ans, kind
+    return [Image.open(io.BytesIO(scenes.encode(img, s))).convert("RGB") for img, s in images], q, ans, kind
 
 
 def prompt(q, n_images):
@@ -176,7 +179,8 @@ def main():
     proc = image_processor()
     proc.save_pretrained(args.out)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
-    trainer.train(model, Batches(tok, proc, args.batch, args.seed), args.steps, args.lr, args.device, args.workers)
+    trainer.train(model, Batches(tok, proc, args.batch, args.seed), args.steps, args.lr, args.device, args.workers,
+                  args.max_seconds)
     trainer.ship(model, args.out, args.steps, lambda m: evaluate(m, tok, proc, args.device, args.eval))
 
 

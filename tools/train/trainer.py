@@ -23,9 +23,10 @@ class Steps(torch.utils.data.Dataset):
         return self.make(i)
 
 
-def train(model, make, steps, lr, device, workers):
+def train(model, make, steps, lr, device, workers, max_seconds=0):
     """Trains `model` on `make(step) -> dict of CPU tensors` (the model's keyword arguments,
-    `labels` among them)."""
+    `labels` among them). With `max_seconds`, stops early once that much time has passed
+    (the GPU machine runs a command for at most 10 minutes), keeping what it has learnt."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     loader = torch.utils.data.DataLoader(Steps(make, steps), batch_size=None, num_workers=workers,
@@ -41,8 +42,12 @@ def train(model, make, steps, lr, device, workers):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 250 == 0 or step == steps - 1:
+        late = max_seconds and time.time() - t0 > max_seconds
+        if step % 250 == 0 or step == steps - 1 or late:
             print(f"step {step} loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+        if late:
+            print(f"stopped at step {step} of {steps}: over {max_seconds} s", flush=True)
+            break
     return model
 
 
@@ -55,6 +60,7 @@ def add_args(ap, steps, evals):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--eval", type=int, default=evals)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seconds", type=float, default=0, help="stop training early after this long")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() - 1))
 
 
