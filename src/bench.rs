@@ -17,7 +17,8 @@ use mmserve_protocol::{AllocItem, EmbedCacheClient, ItemDigest, Modality, deadli
 pub enum Bench {
     /// The embed cache's alloc/release path.
     Cache(CacheBench),
-    /// Decoding and preprocessing, one thread, per file.
+    /// Decoding and preprocessing, one thread, per file (and with `--threads`, the set's
+    /// throughput at several thread counts).
     Preprocess(PreprocessBench),
     /// The serving engine through `mmserve serve`: throughput, scheduler time, TTFT.
     Engine(crate::bench_engine::EngineBench),
@@ -43,6 +44,11 @@ pub struct PreprocessBench {
     /// Print JSON lines instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also the whole set's throughput at these thread counts (comma-separated): each
+    /// thread decodes and preprocesses every file `repeat` times, as the encoder's
+    /// preprocessing pool does items, all threads at once.
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Vec<usize>,
     pub files: Vec<PathBuf>,
 }
 
@@ -181,7 +187,61 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
             println!("{name:<40} {:>14.3} {:>12.1} {:>14.3}", encoder * 1e3, 1.0 / encoder, api * 1e3);
         }
     }
+    let files = b.files.iter().map(std::fs::read).collect::<Result<Vec<_>, _>>()?;
+    let mut one_thread = None;
+    for &threads in &b.threads {
+        let per_second = preprocess_throughput(&pre, &model_config, &files, threads.max(1), b.repeat.max(1))?;
+        let scaling = per_second / *one_thread.get_or_insert(per_second / threads.max(1) as f64);
+        if b.json {
+            println!("{}", serde_json::json!({"threads": threads, "items_per_second": per_second, "scaling": scaling}));
+        } else {
+            println!("{threads} threads: {per_second:.1} items/s ({scaling:.2}x one thread)");
+        }
+    }
     Ok(())
+}
+
+/// Items a second when `threads` threads each prepare every one of `files` `rounds` times
+/// (after one warm-up round each), all at once. Each thread starts at its own file, so
+/// that the sizes are mixed at every moment.
+fn preprocess_throughput(
+    pre: &crate::preprocess::Preprocessor,
+    model_config: &serde_json::Value,
+    files: &[Vec<u8>],
+    threads: usize,
+    rounds: u32,
+) -> anyhow::Result<f64> {
+    use crate::preprocess::prepare;
+    let run = |t: usize, rounds: u32| -> anyhow::Result<()> {
+        for _ in 0..rounds {
+            for i in 0..files.len() {
+                std::hint::black_box(prepare(pre, Some(model_config), &files[(i + t) % files.len()])?);
+            }
+        }
+        Ok(())
+    };
+    let start = std::sync::Barrier::new(threads + 1);
+    let seconds = std::thread::scope(|s| -> anyhow::Result<f64> {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (run, start) = (&run, &start);
+                s.spawn(move || {
+                    // Caught, so that a panic cannot leave the others at the barrier.
+                    let warm = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(t, 1)))
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a preprocessing thread panicked")));
+                    start.wait();
+                    warm.and_then(|()| run(t, rounds))
+                })
+            })
+            .collect();
+        start.wait();
+        let t0 = Instant::now();
+        for w in workers {
+            w.join().map_err(|_| anyhow::anyhow!("a preprocessing thread panicked"))??;
+        }
+        Ok(t0.elapsed().as_secs_f64())
+    })?;
+    Ok((threads * files.len()) as f64 * f64::from(rounds) / seconds)
 }
 
 /// A cache started for the run; stopped on drop.
