@@ -262,10 +262,7 @@ impl WhisperFeatureExtractor {
                     Spectra::PerFrame(fft) => self.per_frame(fft.as_ref(), frames, &mut tile),
                 }
             }
-            for (m, (start, weights)) in self.filters32.iter().enumerate() {
-                let run = &mut out[m * n_frames + t0..m * n_frames + t0 + width];
-                mel_tile(&tile, *start, weights, run);
-            }
+            mel_tile(&tile, &self.filters32, &mut out[t0..], n_frames, width);
         }
         let floor = largest(&out) - 8.0;
         for v in &mut out {
@@ -345,21 +342,40 @@ pub use mmserve_config::audio_token_count as qwen2_audio_tokens;
 const TILE: usize = LANES;
 
 crate::simd::dispatch!(
-    /// log10(max(Σ weights · power, floor)) of one mel over a tile's frames into `run`.
-    mel_tile(tile: &[f32], start: usize, weights: &[f32], run: &mut [f32]) -> () => mel_tile_kernel
+    /// log10(max(Σ weights · power, floor)) of every mel over a tile's frames: mel `m`'s
+    /// `width` values land at `out[m * stride..]`. One call a tile, not one a mel: a mel's
+    /// span is a few bins, less work than a call.
+    mel_tile(tile: &[f32], filters: &[(usize, Vec<f32>)], out: &mut [f32], stride: usize, width: usize) -> ()
+        => mel_tile_kernel
 );
 
 #[inline(always)]
-fn mel_tile_kernel(tile: &[f32], start: usize, weights: &[f32], run: &mut [f32]) {
-    let mut acc = [0f32; TILE];
-    for (b, &w) in weights.iter().enumerate() {
-        let row: &[f32; TILE] = tile[(start + b) * TILE..][..TILE].try_into().expect("a tile row");
-        for (a, &p) in acc.iter_mut().zip(row) {
-            *a += p * w;
+fn mel_tile_kernel(tile: &[f32], filters: &[(usize, Vec<f32>)], out: &mut [f32], stride: usize, width: usize) {
+    // Two halves of eight lanes: one AVX2 register each (a sixteen-lane array would be
+    // split by the vectoriser into odd pieces that go through the stack).
+    const HALF: usize = TILE / 2;
+    for (m, (start, weights)) in filters.iter().enumerate() {
+        let mut acc = [[0f32; HALF]; 2];
+        for (b, &w) in weights.iter().enumerate() {
+            let row = &tile[(start + b) * TILE..][..TILE];
+            for (h, half) in acc.iter_mut().enumerate() {
+                let row: &[f32; HALF] = row[h * HALF..][..HALF].try_into().expect("half a tile row");
+                for (a, &p) in half.iter_mut().zip(row) {
+                    *a += p * w;
+                }
+            }
         }
-    }
-    for (o, &a) in run.iter_mut().zip(&acc) {
-        *o = log2_f32(a.max(MEL_FLOOR)) * std::f32::consts::LOG10_2;
+        let mut logs = [0f32; TILE];
+        for (h, half) in acc.iter().enumerate() {
+            for (o, &a) in logs[h * HALF..][..HALF].iter_mut().zip(half) {
+                *o = log2_f32(a.max(MEL_FLOOR)) * std::f32::consts::LOG10_2;
+            }
+        }
+        // A whole tile's copy has a constant length (moves inline, not a call to memmove).
+        match out[m * stride..].first_chunk_mut::<TILE>() {
+            Some(run) if width == TILE => *run = logs,
+            _ => out[m * stride..][..width].copy_from_slice(&logs[..width]),
+        }
     }
 }
 
