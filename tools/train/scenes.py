@@ -82,6 +82,12 @@ def _words(shapes):
 
 def scene(seed):
     """(PIL image, shapes as [(shape, colour, x)]) of scene `seed`."""
+    img, placed = layout(seed)
+    return img, [(shape, colour, cx) for shape, colour, cx, _, _ in placed]
+
+
+def layout(seed):
+    """(PIL image, shapes as [(shape, colour, x, y, radius)]) of scene `seed`."""
     rng = random.Random(seed)
     bg = rng.choice(BACKGROUNDS)
     img = Image.new("RGB", (SIDE, SIDE), bg)
@@ -102,7 +108,7 @@ def scene(seed):
             continue
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         _draw(d, shape, cx, cy, r, COLOURS[colour], rng.uniform(-0.25, 0.25), bg)
-        shapes.append((shape, colour, cx))
+        shapes.append((shape, colour, cx, cy, r))
         boxes.append((cx, cy, r))
     if rng.random() < 0.5:
         img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.2, 0.6)))

@@ -14,6 +14,7 @@ Tooling, not the server: it needs torch and transformers (5.x), as the GPU machi
 import argparse
 import io
 import json
+import math
 import os
 import random
 import sys
@@ -103,10 +104,65 @@ def image_processor():
 
 
 def example(seed, rng):
-    """One training or evaluation item: (images, question, answer, kind), each image through
-    the PNG or JPEG encoding a server is sent (so JPEG's artefacts are in training too)."""
+    """One training or evaluation item: (images, question, answer, kind, patch labels of each
+    image), each image through the PNG or JPEG encoding a server is sent (so JPEG's
+    artefacts are in training too)."""
     images, q, ans, kind = scenes.item(seed, rng)
-    return [Image.open(io.BytesIO(scenes.encode(img, s))).convert("RGB") for img, s in images], q, ans, kind
+    decoded = [Image.open(io.BytesIO(scenes.encode(img, s))).convert("RGB") for img, s in images]
+    return decoded, q, ans, kind, [patch_labels(s) for _, s in images]
+
+
+def patch_labels(seed):
+    """Per patch of scene `seed`, in the tower's token order (rows of patches): the shape
+    (1 + its index in SHAPES) and the colour (1 + its index in COLOURS) of the shape whose
+    disc covers the patch's centre, 0 where none does."""
+    _, placed = scenes.layout(seed)
+    grid = SIDE // PATCH
+    shapes, colours = [0] * grid * grid, [0] * grid * grid
+    for i in range(grid):
+        for j in range(grid):
+            x, y = (j + 0.5) * PATCH, (i + 0.5) * PATCH
+            for shape, colour, cx, cy, r in placed:
+                if math.hypot(x - cx, y - cy) <= r:
+                    shapes[i * grid + j] = 1 + scenes.SHAPES.index(shape)
+                    colours[i * grid + j] = 1 + list(scenes.COLOURS).index(colour)
+    return shapes, colours
+
+
+class WithPatchLabels(torch.nn.Module):
+    """The model, plus a linear head (not shipped) on the tower's features that the projector
+    reads, trained to name each patch's shape and colour. The answers alone taught the tower
+    colours but not shapes (two runs: counts and "what colour is the star" at chance): this
+    dense signal reaches the tower directly."""
+
+    def __init__(self, model, weight):
+        super().__init__()
+        self.model, self.weight = model, weight
+        self.head = torch.nn.Linear(model.config.vision_config.hidden_size, 2 + len(scenes.SHAPES) + len(scenes.COLOURS))
+        self.features = None
+        layers = model.model.vision_tower.encoder.layers
+        layers[model.config.vision_feature_layer].register_forward_hook(self._keep)
+
+    def _keep(self, _module, _inputs, output):
+        self.features = output[0] if isinstance(output, tuple) else output
+
+    def forward(self, patch_shapes, patch_colours, **batch):
+        out = self.model(**batch)
+        logits = self.head(self.features[:, 1:]).float()  # the CLS token is not a patch
+        n = 1 + len(scenes.SHAPES)
+        ce = torch.nn.functional.cross_entropy
+        aux = ce(logits[..., :n].flatten(0, 1), patch_shapes.flatten()) + ce(logits[..., n:].flatten(0, 1),
+                                                                           patch_colours.flatten())
+        out.loss = out.loss + self.weight * aux
+        self.last = (logits[..., :n].detach(), patch_shapes)
+        return out
+
+    def report(self):
+        """For the training log: how often a patch on a shape got its shape right in the
+        last batch (read only when logged: it waits for the GPU)."""
+        logits, truth = self.last
+        on = truth > 0
+        return f"patch shapes {(logits.argmax(-1) == truth)[on].float().mean().item():.1%}"
 
 
 def prompt(q, n_images):
@@ -114,10 +170,11 @@ def prompt(q, n_images):
 
 
 def batch(items, tok, proc):
-    """Input ids (each `<image>` expanded to its tokens), pixel values, and labels on the
-    answers (and their `</s>`) only, as CPU tensors."""
-    ids, labels, pixels = [], [], []
-    for images, q, ans, _ in items:
+    """Input ids (each `<image>` expanded to its tokens), pixel values, labels on the
+    answers (and their `</s>`) only, and each image's patch labels, as CPU tensors."""
+    ids, labels, pixels, patches = [], [], [], []
+    for images, q, ans, _, image_labels in items:
+        patches += image_labels
         p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS))["input_ids"]
         a = tok(" " + ans, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ids.append(p + a)
@@ -130,6 +187,8 @@ def batch(items, tok, proc):
         "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
         "labels": torch.tensor([x + [-100] * (width - len(x)) for x in labels]),
         "pixel_values": proc(images=pixels, return_tensors="pt")["pixel_values"],
+        "patch_shapes": torch.tensor([shapes for shapes, _ in patches]),
+        "patch_colours": torch.tensor([colours for _, colours in patches]),
     }
 
 
@@ -154,7 +213,7 @@ def evaluate(model, tok, proc, device, n):
     rng = random.Random(7)
     tally = trainer.Tally()
     for i in range(n):
-        images, q, ans, kind = example(HELD_OUT + i, rng)
+        images, q, ans, kind, _ = example(HELD_OUT + i, rng)
         p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS), return_tensors="pt").to(device)
         pv = pixels(proc, images, model, device)
         out = model.generate(**p, pixel_values=pv, max_new_tokens=24, do_sample=False)
@@ -169,6 +228,7 @@ def main():
     ap.add_argument("--patch", type=int, default=PATCH)
     ap.add_argument("--vision-hidden", type=int, default=VISION_HIDDEN)
     ap.add_argument("--vision-layers", type=int, default=VISION_LAYERS)
+    ap.add_argument("--patch-weight", type=float, default=0.5, help="the patch labels' loss weight")
     args = ap.parse_args()
     PATCH, VISION_HIDDEN, VISION_LAYERS = args.patch, args.vision_hidden, args.vision_layers
     IMAGE_TOKENS = (SIDE // PATCH) ** 2
@@ -179,8 +239,8 @@ def main():
     proc = image_processor()
     proc.save_pretrained(args.out)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
-    trainer.train(model, Batches(tok, proc, args.batch, args.seed), args.steps, args.lr, args.device, args.workers,
-                  args.max_seconds)
+    trainer.train(WithPatchLabels(model, args.patch_weight).to(args.device), Batches(tok, proc, args.batch, args.seed), args.steps, args.lr,
+                  args.device, args.workers, args.max_seconds)
     trainer.ship(model, args.out, args.steps, lambda m: evaluate(m, tok, proc, args.device, args.eval))
 
 

@@ -44,7 +44,8 @@ def train(model, make, steps, lr, device, workers, max_seconds=0):
         opt.zero_grad(set_to_none=True)
         late = max_seconds and time.time() - t0 > max_seconds
         if step % 250 == 0 or step == steps - 1 or late:
-            print(f"step {step} loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+            extra = f", {model.report()}" if hasattr(model, "report") else ""
+            print(f"step {step} loss {loss.item():.4f}{extra} ({time.time() - t0:.0f} s)", flush=True)
         if late:
             print(f"stopped at step {step} of {steps}: over {max_seconds} s", flush=True)
             break
