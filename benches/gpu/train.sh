@@ -16,7 +16,7 @@ out="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 steps="${STEPS:-5000}" batch="${BATCH:-96}" max_seconds="${MAX_SECONDS:-400}"
-variants="${VARIANTS:-lr5:--lr 5e-4;lr10:--lr 1e-3;lr5w2:--lr 5e-4 --patch-weight 2}"
+variants="${VARIANTS:-lr5w2:--lr 5e-4 --patch-weight 2;lr10w2:--lr 1e-3 --patch-weight 2}"
 IFS=';' read -ra list <<< "$variants"
 names=()
 for v in "${list[@]}"; do

@@ -73,7 +73,7 @@ def ask(url, model, files, question, kind):
             fmt = {"audio/wav": "wav", "audio/flac": "flac", "audio/mpeg": "mp3"}[mime]
             parts.append({"type": "input_audio", "input_audio": {"data": b64, "format": fmt}})
     parts.append({"type": "text", "text": question})
-    body = {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": 24, "temperature": 0}
+    body = {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": 48, "temperature": 0}
     req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:

@@ -36,19 +36,24 @@ import trainer  # noqa: E402
 
 HELD_OUT = scenes.HELD_OUT
 SPECIALS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
-# LLaVA-1.5's template: "USER: <image>\n{question} ASSISTANT: {answer}</s>".
+# LLaVA-1.5's template with the question before the images: "USER: {question}\n<image>\n
+# ASSISTANT: {answer}</s>". The images' tokens then see the question, so the language
+# model can mark the patches it asks about as it reads them; with the images first, a run
+# described scenes right but answered "what colour is the star?" and counts near chance.
 TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + '\n' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
-    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 SIDE = scenes.SIDE
 # The tower's shape, set from the command line before anything is built (worker processes
 # fork after that, so they see the same values).
 PATCH, VISION_HIDDEN, VISION_LAYERS = 8, 192, 6
 IMAGE_TOKENS = (SIDE // PATCH) ** 2
+# Room for the longest answer (four shapes described: about 30 tokens).
+MAX_ANSWER_TOKENS = 48
 
 
 def corpus():
@@ -166,7 +171,8 @@ class WithPatchLabels(torch.nn.Module):
 
 
 def prompt(q, n_images):
-    return "USER: " + "<image>\n" * n_images + q + " ASSISTANT:"
+    """What TEMPLATE renders for one user turn with `n_images` images and the question."""
+    return "USER: " + q + "\n" + "<image>\n" * n_images + "ASSISTANT:"
 
 
 def batch(items, tok, proc):
@@ -216,7 +222,7 @@ def evaluate(model, tok, proc, device, n):
         images, q, ans, kind, _ = example(HELD_OUT + i, rng)
         p = tok(prompt(q, len(images)).replace("<image>", "<image>" * IMAGE_TOKENS), return_tensors="pt").to(device)
         pv = pixels(proc, images, model, device)
-        out = model.generate(**p, pixel_values=pv, max_new_tokens=24, do_sample=False)
+        out = model.generate(**p, pixel_values=pv, max_new_tokens=MAX_ANSWER_TOKENS, do_sample=False)
         tally.add(HELD_OUT + i, kind, q, ans, tok.decode(out[0, p["input_ids"].shape[1]:], skip_special_tokens=True).strip())
     return tally
 
