@@ -351,30 +351,24 @@ crate::simd::dispatch!(
 
 #[inline(always)]
 fn mel_tile_kernel(tile: &[f32], filters: &[(usize, Vec<f32>)], out: &mut [f32], stride: usize, width: usize) {
-    // Two halves of eight lanes: one AVX2 register each (a sixteen-lane array would be
-    // split by the vectoriser into odd pieces that go through the stack).
-    const HALF: usize = TILE / 2;
-    for (m, (start, weights)) in filters.iter().enumerate() {
-        let mut acc = [[0f32; HALF]; 2];
-        for (b, &w) in weights.iter().enumerate() {
-            let row = &tile[(start + b) * TILE..][..TILE];
-            for (h, half) in acc.iter_mut().enumerate() {
-                let row: &[f32; HALF] = row[h * HALF..][..HALF].try_into().expect("half a tile row");
-                for (a, &p) in half.iter_mut().zip(row) {
+    // The sums first, each mel's in its own row of `sums` (L1, 128 mels at a time), then the
+    // logs a row at a time: loops the vectoriser keeps in registers, which one loop doing
+    // both did not (its accumulators went through the stack).
+    const CHUNK: usize = 128;
+    for (c, chunk) in filters.chunks(CHUNK).enumerate() {
+        let mut sums = [[0f32; TILE]; CHUNK];
+        for ((start, weights), acc) in chunk.iter().zip(&mut sums) {
+            for (b, &w) in weights.iter().enumerate() {
+                let row: &[f32; TILE] = tile[(start + b) * TILE..][..TILE].try_into().expect("a tile row");
+                for (a, &p) in acc.iter_mut().zip(row) {
                     *a += p * w;
                 }
             }
         }
-        let mut logs = [0f32; TILE];
-        for (h, half) in acc.iter().enumerate() {
-            for (o, &a) in logs[h * HALF..][..HALF].iter_mut().zip(half) {
-                *o = log2_f32(a.max(MEL_FLOOR)) * std::f32::consts::LOG10_2;
+        for (m, acc) in sums[..chunk.len()].iter().enumerate() {
+            for (o, &a) in out[(c * CHUNK + m) * stride..][..width].iter_mut().zip(acc) {
+                *o = log2_f32(if a > MEL_FLOOR { a } else { MEL_FLOOR }) * std::f32::consts::LOG10_2;
             }
-        }
-        // A whole tile's copy has a constant length (moves inline, not a call to memmove).
-        match out[m * stride..].first_chunk_mut::<TILE>() {
-            Some(run) if width == TILE => *run = logs,
-            _ => out[m * stride..][..width].copy_from_slice(&logs[..width]),
         }
     }
 }
