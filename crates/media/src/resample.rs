@@ -357,6 +357,21 @@ mod tests {
     }
 
     #[test]
+    fn dispatched_horizontal_pass_is_exact_on_wide_kernels() {
+        // Big downscales (a tap set of ~25 weights), an upscale's negative lobes, and
+        // pixels at 0 and 255 where the sums are largest.
+        let noisy = RgbImage::from_fn(2048, 9, |x, y| {
+            let h = (x * 2_654_435_761u32.wrapping_mul(y + 1)) >> 13;
+            Rgb([h as u8, if x % 7 < 3 { 255 } else { 0 }, (h >> 8) as u8])
+        });
+        for w in [336, 335, 61, 2047, 4096, 1] {
+            let t = axis_taps(2048, w, 0..w);
+            let raw = noisy.as_raw();
+            assert_eq!(horizontal(raw, 2048, 0..9, &t), horizontal_kernel(raw, 2048, 0..9, &t), "2048 -> {w}");
+        }
+    }
+
+    #[test]
     fn window_equals_crop_of_full_resize() {
         let img = pattern(23, 11);
         for (w, h) in [(23, 11), (7, 5), (50, 11), (23, 30), (61, 3), (30, 4), (5, 3)] {
