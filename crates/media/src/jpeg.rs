@@ -404,11 +404,26 @@ pub(crate) fn decode(data: &[u8], max_pixels: u64) -> Option<(u32, u32, Vec<u8>)
     if f.progressive && f.comps.iter().any(|c| c.coef_bits[1..10].iter().any(|&b| b != 0)) {
         return None; // libjpeg would smooth the blocks of this incompletely refined image
     }
-    let planes: Vec<Vec<u8>> = f.comps.iter().map(|c| upsample(&f, c, &idct_plane(c)?)).collect::<Option<_>>()?;
+    if f.comps.iter().any(|c| !f.max_h.is_multiple_of(c.h) || !f.max_v.is_multiple_of(c.v)) {
+        return None; // libjpeg: fractional sampling not implemented
+    }
+    let planes: Vec<Vec<u8>> = f.comps.iter().map(idct_plane).collect::<Option<_>>()?;
     let ids: Vec<u8> = f.comps.iter().map(|c| c.id).collect();
     let is_rgb = !jfif && (adobe == Some(0) || (adobe.is_none() && ids == *b"RGB"));
     let ycck = matches!(adobe, Some(t) if t != 0);
-    let rgb = to_rgb(&planes, is_rgb, ycck);
+    // A row at a time: each component's row upsampled (or borrowed, at full size) into a
+    // row buffer, then converted. No full-size upsampled planes: they cost as much to
+    // clear, write and read back as the conversion itself.
+    let w = f.width;
+    let mut rgb = vec![0u8; w * f.height * 3];
+    let mut scratch: Vec<UpsampleRow> = f.comps.iter().map(|c| UpsampleRow::new(c.dw, w)).collect();
+    for (oy, out) in rgb.chunks_exact_mut(w * 3).enumerate() {
+        let mut rows: [&[u8]; 4] = [&[]; 4];
+        for ((row, (c, plane)), s) in rows.iter_mut().zip(f.comps.iter().zip(&planes)).zip(&mut scratch) {
+            *row = upsample_row(&f, c, plane, oy, s);
+        }
+        row_to_rgb(&rows[..f.comps.len()], is_rgb, ycck, out);
+    }
     Some((f.width as u32, f.height as u32, rgb))
 }
 
@@ -865,77 +880,95 @@ macro_rules! idct_1d {
 idct_1d!(idct_1d, i64);
 idct_1d!(idct_1d_i32, i32);
 
+/// Scratch of one component's [`upsample_row`]: the output row, and the filters' sums and
+/// doubled row.
+struct UpsampleRow {
+    row: Vec<u8>,
+    sums: Vec<i32>,
+    wide: Vec<u8>,
+}
+
+impl UpsampleRow {
+    fn new(dw: usize, width: usize) -> Self {
+        UpsampleRow { row: vec![0; width], sums: vec![0; dw], wide: vec![0; 2 * dw] }
+    }
+}
+
+/// Output row `oy` of a component, upsampled to the image width as libjpeg-turbo does:
+/// nothing at full size (the plane's own row); fancy (triangle) filters for 2:1
+/// horizontally (`h2v1`, when the component is more than 2 samples wide), vertically
+/// (`h1v2`) or both (`h2v2`, same width condition); replication for other integral
+/// factors (the caller has refused fractional ones). Samples past the component's real
+/// size are not read: vertical neighbours are clamped to its first and last real rows.
+fn upsample_row<'a>(f: &Frame, c: &Component, plane: &'a [u8], oy: usize, s: &'a mut UpsampleRow) -> &'a [u8] {
+    let (hx, vx) = (f.max_h / c.h, f.max_v / c.v);
+    let (pw, w) = (c.width_in_blocks * 8, f.width);
+    let y = oy / vx;
+    if (hx, vx) == (1, 1) {
+        return &plane[y * pw..][..w];
+    }
+    upsample_into(f, c, plane, oy, s);
+    &s.row
+}
+
 dispatch!(
-    /// Upsamples a component plane to the image size as libjpeg-turbo does: nothing at full
-    /// size; fancy (triangle) filters for 2:1 horizontally (`h2v1`, when the component is
-    /// more than 2 samples wide), vertically (`h1v2`) or both (`h2v2`, same width condition);
-    /// replication for other integral factors. Samples past the component's real size are
-    /// not read: vertical neighbours are clamped to its first and last real rows.
-    upsample(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> => upsample_kernel
+    /// [`upsample_row`]'s filters into `s.row`.
+    upsample_into(f: &Frame, c: &Component, plane: &[u8], oy: usize, s: &mut UpsampleRow) -> () => upsample_kernel
 );
 
 #[inline(always)]
-fn upsample_kernel(f: &Frame, c: &Component, plane: &[u8]) -> Option<Vec<u8>> {
-    if !f.max_h.is_multiple_of(c.h) || !f.max_v.is_multiple_of(c.v) {
-        return None; // libjpeg: fractional sampling not implemented
-    }
+fn upsample_kernel(f: &Frame, c: &Component, plane: &[u8], oy: usize, s: &mut UpsampleRow) {
     let (hx, vx) = (f.max_h / c.h, f.max_v / c.v);
     let (pw, dw, dh, w) = (c.width_in_blocks * 8, c.dw, c.dh, f.width);
     let row_of = |y: usize| &plane[y * pw..y * pw + dw];
     let fancy_h = hx == 2 && dw > 2;
-    let mut out = vec![0u8; w * f.height];
-    let (mut sums, mut wide) = (vec![0i32; dw], vec![0u8; 2 * dw]);
-    for (oy, row) in out.chunks_exact_mut(w).enumerate() {
-        let y = oy / vx;
-        // The next-nearest row for 2:1 vertical filters, and whether this is the lower output row.
-        let lower = oy % 2 == 1;
-        let near = if lower { (y + 1).min(dh - 1) } else { y.saturating_sub(1) };
-        match (hx, vx) {
-            (2, 2) if fancy_h => {
-                for ((s, &a), &b) in sums.iter_mut().zip(row_of(y)).zip(row_of(near)) {
-                    *s = i32::from(a) * 3 + i32::from(b);
-                }
-                // The edges repeat their own column; the interior has no branch, so it vectorises.
-                wide[0] = ((sums[0] * 4 + 8) >> 4) as u8;
-                wide[2 * dw - 1] = ((sums[dw - 1] * 4 + 7) >> 4) as u8;
-                wide[1] = ((sums[0] * 3 + sums[1] + 7) >> 4) as u8;
-                wide[2 * dw - 2] = ((sums[dw - 1] * 3 + sums[dw - 2] + 8) >> 4) as u8;
-                for ((pair, s), (&left, &right)) in wide[2..2 * dw - 2]
-                    .chunks_exact_mut(2)
-                    .zip(&sums[1..dw - 1])
-                    .zip(sums[..dw - 2].iter().zip(&sums[2..]))
-                {
-                    pair[0] = ((s * 3 + left + 8) >> 4) as u8;
-                    pair[1] = ((s * 3 + right + 7) >> 4) as u8;
-                }
-                row.copy_from_slice(&wide[..w]);
+    let UpsampleRow { row, sums, wide } = s;
+    let y = oy / vx;
+    // The next-nearest row for 2:1 vertical filters, and whether this is the lower output row.
+    let lower = oy % 2 == 1;
+    let near = if lower { (y + 1).min(dh - 1) } else { y.saturating_sub(1) };
+    match (hx, vx) {
+        (2, 2) if fancy_h => {
+            for ((s, &a), &b) in sums.iter_mut().zip(row_of(y)).zip(row_of(near)) {
+                *s = i32::from(a) * 3 + i32::from(b);
             }
-            (1, 2) => {
-                let bias = if lower { 2 } else { 1 };
-                for ((o, &a), &b) in row.iter_mut().zip(row_of(y)).zip(row_of(near)) {
-                    *o = ((i32::from(a) * 3 + i32::from(b) + bias) >> 2) as u8;
-                }
+            // The edges repeat their own column; the interior has no branch, so it vectorises.
+            wide[0] = ((sums[0] * 4 + 8) >> 4) as u8;
+            wide[2 * dw - 1] = ((sums[dw - 1] * 4 + 7) >> 4) as u8;
+            wide[1] = ((sums[0] * 3 + sums[1] + 7) >> 4) as u8;
+            wide[2 * dw - 2] = ((sums[dw - 1] * 3 + sums[dw - 2] + 8) >> 4) as u8;
+            for ((pair, s), (&left, &right)) in
+                wide[2..2 * dw - 2].chunks_exact_mut(2).zip(&sums[1..dw - 1]).zip(sums[..dw - 2].iter().zip(&sums[2..]))
+            {
+                pair[0] = ((s * 3 + left + 8) >> 4) as u8;
+                pair[1] = ((s * 3 + right + 7) >> 4) as u8;
             }
-            (2, 1) if fancy_h => {
-                let src = row_of(y);
-                for x in 0..dw {
-                    let this = i32::from(src[x]);
-                    wide[2 * x] = if x == 0 { src[0] } else { ((this * 3 + i32::from(src[x - 1]) + 1) >> 2) as u8 };
-                    wide[2 * x + 1] =
-                        if x == dw - 1 { src[x] } else { ((this * 3 + i32::from(src[x + 1]) + 2) >> 2) as u8 };
-                }
-                row.copy_from_slice(&wide[..w]);
+            row.copy_from_slice(&wide[..w]);
+        }
+        (1, 2) => {
+            let bias = if lower { 2 } else { 1 };
+            for ((o, &a), &b) in row.iter_mut().zip(row_of(y)).zip(row_of(near)) {
+                *o = ((i32::from(a) * 3 + i32::from(b) + bias) >> 2) as u8;
             }
-            (1, _) => row.copy_from_slice(&row_of(y)[..w]),
-            _ => {
-                let src = row_of(y);
-                for (ox, o) in row.iter_mut().enumerate() {
-                    *o = src[ox / hx];
-                }
+        }
+        (2, 1) if fancy_h => {
+            let src = row_of(y);
+            for x in 0..dw {
+                let this = i32::from(src[x]);
+                wide[2 * x] = if x == 0 { src[0] } else { ((this * 3 + i32::from(src[x - 1]) + 1) >> 2) as u8 };
+                wide[2 * x + 1] =
+                    if x == dw - 1 { src[x] } else { ((this * 3 + i32::from(src[x + 1]) + 2) >> 2) as u8 };
+            }
+            row.copy_from_slice(&wide[..w]);
+        }
+        (1, _) => row.copy_from_slice(&row_of(y)[..w]),
+        _ => {
+            let src = row_of(y);
+            for (ox, o) in row.iter_mut().enumerate() {
+                *o = src[ox / hx];
             }
         }
     }
-    Some(out)
 }
 
 const FIX_0_71414: i32 = 46802;
@@ -967,18 +1000,17 @@ fn ycc_rows_kernel(y: &[u8], cb: &[u8], cr: &[u8], rgb: &mut [u8]) {
     }
 }
 
-/// Planes (already at full size) to RGB: grey replicated; YCbCr through libjpeg's tables
-/// unless libjpeg decides the image is RGB; CMYK / YCCK through Pillow's CMYK → RGB.
-fn to_rgb(planes: &[Vec<u8>], is_rgb: bool, ycck: bool) -> Vec<u8> {
-    let n = planes[0].len();
-    let mut rgb = vec![0u8; n * 3];
+/// One row of the components (already at full width) to RGB: grey replicated; YCbCr
+/// through libjpeg's tables unless libjpeg decides the image is RGB; CMYK / YCCK through
+/// Pillow's CMYK → RGB.
+fn row_to_rgb(rows: &[&[u8]], is_rgb: bool, ycck: bool, rgb: &mut [u8]) {
     let px = rgb.chunks_exact_mut(3);
-    match planes {
+    match *rows {
         [g] => px.zip(g).for_each(|(p, &v)| p.fill(v)),
         [a, b, c] if is_rgb => {
             px.zip(a.iter().zip(b).zip(c)).for_each(|(p, ((&a, &b), &c))| p.copy_from_slice(&[a, b, c]))
         }
-        [y, cb, cr] => ycc_rows(y, cb, cr, &mut rgb),
+        [y, cb, cr] => ycc_rows(y, cb, cr, rgb),
         [c, m, y, k] => {
             for (i, p) in px.enumerate() {
                 let stored = [c[i], m[i], y[i], k[i]];
@@ -987,7 +1019,6 @@ fn to_rgb(planes: &[Vec<u8>], is_rgb: bool, ycck: bool) -> Vec<u8> {
         }
         _ => {}
     }
-    rgb
 }
 
 #[cfg(test)]
