@@ -40,7 +40,8 @@ async fn score(server: &Server, model: &str) -> (usize, usize, Vec<String>) {
         let body = json!({
             "model": "default",
             "messages": [{"role": "user", "content": content}],
-            "max_tokens": 24,
+            // Room for the longest answer (a four-shape description is about 30 tokens).
+            "max_tokens": 48,
             "temperature": 0,
         });
         let (status, reply) = server.chat(&body).await;
