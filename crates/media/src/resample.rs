@@ -361,7 +361,7 @@ mod tests {
         // Big downscales (a tap set of ~25 weights), an upscale's negative lobes, and
         // pixels at 0 and 255 where the sums are largest.
         let noisy = RgbImage::from_fn(2048, 9, |x, y| {
-            let h = (x * 2_654_435_761u32.wrapping_mul(y + 1)) >> 13;
+            let h = x.wrapping_mul(2_654_435_761u32.wrapping_mul(y + 1)) >> 13;
             Rgb([h as u8, if x % 7 < 3 { 255 } else { 0 }, (h >> 8) as u8])
         });
         for w in [336, 335, 61, 2047, 4096, 1] {
