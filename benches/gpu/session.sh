@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything this session needs from the GPU machine in one call of under 10 minutes, most
 # important first (a part cut off by the limit leaves the ones before it): the kernels'
-# self-tests, structured outputs' cost per token (bench engine --constrained), Qwen-VL through serve against transformers' tokens, Qwen2.5-VL-7B's shapes
-# in `mmserve bench model` beside transformers' vision tower, then `mmserve caption` on
-# 1,000 images at llava-1.5-7b's shapes with its component bound and transformers'
-# batched generate. The full scripts: qwen_vl.sh and caption.sh.
+# self-tests, structured outputs' cost per token (bench engine --constrained), Qwen2.5-VL-7B's
+# shapes end to end through serve, Qwen-VL through serve against transformers' tokens, and
+# preprocessing's scaling over this machine's cores (bench preprocess --threads, the same
+# images as benches/preprocess/compare.py). Parts measured before live in their own scripts:
+# qwen_vl.sh (bench model against transformers at Qwen2.5-VL-7B's shapes) and caption.sh.
 set -uo pipefail
 bin=.gpu/bin/mmserve
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -26,22 +27,19 @@ MMSERVE_LOG=warn timeout 150 $bin bench engine --model /tmp/qwen25 --clients 1 -
   --serve-arg=--kv-cache-memory=40GiB 2>&1 | grep -vE "^\s*$|shutting down"
 echo "== Qwen-VL tiny fixtures through serve"
 timeout 90 python3 benches/gpu/qwen_vl_smoke.py $bin 2>&1 | grep -E "identical|DIFFERENT|Error"
-echo "== mmserve bench model, Qwen2.5-VL-7B shapes"
-MMSERVE_LOG=warn timeout 150 $bin bench model --model assets/models/qwen2.5-vl-7b-instruct --load-format dummy \
-  --device cuda --dtype bfloat16 --batches 1,8,64 --prompt 512 --output 64 --prefill 2048 --images 32 \
-  --image-sizes 448,1024 --repeats 3 2>&1 | grep -vE '^\{"device'
-echo "== transformers vision tower, same shapes"
-timeout 100 python3 benches/gpu/hf_qwen_vl_baseline.py 448,1024 32 vision 2>&1 | grep transformers
-echo "== caption components (llava-1.5-7b shapes)"
-python3 benches/gpu/stand_in_model.py /tmp/llava-1.5-7b-stand-in >/dev/null
-MMSERVE_LOG=warn timeout 90 $bin bench model --model assets/models/llava-1.5-7b-hf --load-format dummy \
-  --device cuda --dtype bfloat16 --batches 64 --prompt 640 --output 64 --prefill 2048 --images 32 --repeats 3 2>&1 \
-  | grep -E "decode|prefill|vision"
-echo "== mmserve caption, 1,000 images"
-MMSERVE_LOG=warn timeout 150 $bin bench caption --model /tmp/llava-1.5-7b-stand-in --images 1000 --sizes 336,1024 \
-  --concurrency 64 --max-tokens 64 \
-  --serve-arg=--load-format=dummy --serve-arg=--device=cuda --serve-arg=--dtype=bfloat16 \
-  --serve-arg=--kv-cache-memory=48GiB --serve-arg=--max-running-requests=128 --serve-arg=--chunked-prefill-size=8192 2>&1 \
-  | grep -vE "^\s*$|shutting down|^\{"
-echo "== transformers generate, 128 images"
-timeout 100 python3 benches/gpu/hf_caption_baseline.py 128 32 2>&1 | tail -1
+echo "== preprocessing threads: bench preprocess --threads on this machine's CPUs"
+python3 - <<'PY'
+import os
+import numpy as np
+from PIL import Image
+os.makedirs("/tmp/pp", exist_ok=True)
+for size in (256, 512, 1024, 2048):
+    rng = np.random.default_rng(size)
+    y, x = np.mgrid[0:size, 0:size] / size
+    base = np.stack([np.sin(6 * x + 2 * y), np.cos(5 * y - 3 * x), np.sin(4 * (x + y))], -1)
+    img = Image.fromarray(((base * 0.4 + 0.5 + rng.normal(0, 0.04, (size, size, 3))).clip(0, 1) * 255).astype(np.uint8))
+    img.save(f"/tmp/pp/img{size}.jpg", "JPEG", quality=90)
+    img.save(f"/tmp/pp/img{size}.png", "PNG")
+PY
+timeout 120 $bin bench preprocess --preprocessor benches/preprocess/configs/clip-336/preprocessor_config.json \
+  --repeat 3 --threads 1,2,4,8,16 /tmp/pp/img*.jpg /tmp/pp/img*.png 2>&1 | grep threads
