@@ -188,14 +188,22 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
         }
     }
     let files = b.files.iter().map(std::fs::read).collect::<Result<Vec<_>, _>>()?;
+    // Fewest threads first, so that one thread's figure (when asked for) is there to scale by.
+    let mut counts: Vec<usize> = b.threads.iter().map(|&t| t.max(1)).collect();
+    counts.sort_unstable();
+    counts.dedup();
     let mut one_thread = None;
-    for &threads in &b.threads {
-        let per_second = preprocess_throughput(&pre, &model_config, &files, threads.max(1), b.repeat.max(1))?;
-        let scaling = per_second / *one_thread.get_or_insert(per_second / threads.max(1) as f64);
+    for threads in counts {
+        let per_second = preprocess_throughput(&pre, &model_config, &files, threads, b.repeat.max(1))?;
+        if threads == 1 {
+            one_thread = Some(per_second);
+        }
+        let scaling = one_thread.map(|one| per_second / one);
         if b.json {
             println!("{}", serde_json::json!({"threads": threads, "items_per_second": per_second, "scaling": scaling}));
         } else {
-            println!("{threads} threads: {per_second:.1} items/s ({scaling:.2}x one thread)");
+            let scaling = scaling.map(|s| format!(" ({s:.2}x one thread)")).unwrap_or_default();
+            println!("{threads} threads: {per_second:.1} items/s{scaling}");
         }
     }
     Ok(())

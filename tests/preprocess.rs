@@ -77,3 +77,36 @@ fn qwen2_audio_features_match_transformers() {
     assert_eq!(i64s(&out, "feature_attention_mask"), i64s(&refs, "feature_attention_mask"));
     assert_eq!(i64s(&out, "num_tokens").1, vec![34]);
 }
+
+#[test]
+fn bench_preprocess_reports_each_file_and_each_thread_count() {
+    let dir = common::repo().join("assets/models/llava-tiny");
+    let bench = |files: &[&Path]| {
+        Command::new(env!("CARGO_BIN_EXE_mmserve"))
+            .args(["bench", "preprocess", "--json", "--repeat", "1", "--threads", "2,1", "--preprocessor"])
+            .arg(dir.join("preprocessor_config.json"))
+            .args(files)
+            .output()
+            .unwrap()
+    };
+    let image = dir.join("input.png");
+    let out = bench(&[&image, &image]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    // Two files, then the thread counts in ascending order, each scaled by one thread's.
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert!(lines[..2].iter().all(|l| l["seconds"].as_f64().unwrap() > 0.0), "{lines:?}");
+    assert_eq!(lines[2]["threads"], 1);
+    assert_eq!(lines[2]["scaling"], 1.0);
+    assert_eq!(lines[3]["threads"], 2);
+    assert!(lines[3]["items_per_second"].as_f64().unwrap() > 0.0, "{lines:?}");
+
+    // A file that is not an image is an error that names the problem, not a hang.
+    let tmp = common::cache::temp_dir("bench-preprocess");
+    let bad = tmp.join("bad.jpg");
+    std::fs::write(&bad, b"not an image").unwrap();
+    let out = bench(&[&bad]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("could not be decoded"), "{out:?}");
+}
