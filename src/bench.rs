@@ -160,8 +160,10 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     if !b.json {
         println!("{:<40} {:>14} {:>12} {:>14}", "file", "encoder (ms)", "items/s", "api hash (ms)");
     }
-    for file in &b.files {
-        let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let files = (b.files.iter())
+        .map(|f| std::fs::read(f).with_context(|| format!("reading {}", f.display())))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for (file, bytes) in b.files.iter().zip(&files) {
         let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
             f()?;
             let mut best = f64::MAX;
@@ -172,12 +174,12 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
             }
             Ok(best)
         };
-        let encoder = time(&|| prepare(&pre, Some(&model_config), &bytes).map(drop))?;
+        let encoder = time(&|| prepare(&pre, Some(&model_config), bytes).map(drop))?;
         let api = time(&|| {
             if matches!(pre, Preprocessor::Image(_)) {
-                mmserve_media::image_header(&bytes)?;
+                mmserve_media::image_header(bytes)?;
             }
-            std::hint::black_box(ItemDigest::compute(Modality::Image, "bench", &bytes));
+            std::hint::black_box(ItemDigest::compute(Modality::Image, "bench", bytes));
             Ok(())
         })?;
         let name = file.display().to_string();
@@ -187,7 +189,6 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
             println!("{name:<40} {:>14.3} {:>12.1} {:>14.3}", encoder * 1e3, 1.0 / encoder, api * 1e3);
         }
     }
-    let files = b.files.iter().map(std::fs::read).collect::<Result<Vec<_>, _>>()?;
     // Fewest threads first, so that one thread's figure (when asked for) is there to scale by.
     let mut counts: Vec<usize> = b.threads.iter().map(|&t| t.max(1)).collect();
     counts.sort_unstable();
@@ -209,9 +210,9 @@ fn preprocess(b: PreprocessBench) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Items a second when `threads` threads each prepare every one of `files` `rounds` times
-/// (after one warm-up round each), all at once. Each thread starts at its own file, so
-/// that the sizes are mixed at every moment.
+/// Items a second when `threads` threads each prepare every one of `files` `rounds` times,
+/// all at once (the per-file runs before warmed every file up). Each thread starts at its
+/// own file, so that the sizes are mixed at every moment.
 fn preprocess_throughput(
     pre: &crate::preprocess::Preprocessor,
     model_config: &serde_json::Value,
@@ -219,37 +220,26 @@ fn preprocess_throughput(
     threads: usize,
     rounds: u32,
 ) -> anyhow::Result<f64> {
-    use crate::preprocess::prepare;
-    let run = |t: usize, rounds: u32| -> anyhow::Result<()> {
-        for _ in 0..rounds {
-            for i in 0..files.len() {
-                std::hint::black_box(prepare(pre, Some(model_config), &files[(i + t) % files.len()])?);
-            }
-        }
-        Ok(())
-    };
-    let start = std::sync::Barrier::new(threads + 1);
-    let seconds = std::thread::scope(|s| -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|t| {
-                let (run, start) = (&run, &start);
-                s.spawn(move || {
-                    // Caught, so that a panic cannot leave the others at the barrier.
-                    let warm = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(t, 1)))
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a preprocessing thread panicked")));
-                    start.wait();
-                    warm.and_then(|()| run(t, rounds))
+                s.spawn(move || -> anyhow::Result<()> {
+                    for _ in 0..rounds {
+                        for i in 0..files.len() {
+                            let file = &files[(i + t) % files.len()];
+                            std::hint::black_box(crate::preprocess::prepare(pre, Some(model_config), file)?);
+                        }
+                    }
+                    Ok(())
                 })
             })
             .collect();
-        start.wait();
-        let t0 = Instant::now();
-        for w in workers {
-            w.join().map_err(|_| anyhow::anyhow!("a preprocessing thread panicked"))??;
-        }
-        Ok(t0.elapsed().as_secs_f64())
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().map_err(|_| anyhow::anyhow!("a preprocessing thread panicked"))?)
     })?;
-    Ok((threads * files.len()) as f64 * f64::from(rounds) / seconds)
+    Ok((threads * files.len()) as f64 * f64::from(rounds) / t0.elapsed().as_secs_f64())
 }
 
 /// A cache started for the run; stopped on drop.
