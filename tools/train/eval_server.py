@@ -39,7 +39,7 @@ def vision_items(n):
     for i in range(n):
         images, q, ans, kind = scenes.item(scenes.HELD_OUT + i, rng)
         files = []
-        for k, (img, s) in enumerate(images):
+        for k, (img, s, _) in enumerate(images):
             data = scenes.encode(img, s)
             mime = "image/png" if data[:4] == b"\x89PNG" else "image/jpeg"
             files.append((f"scene_{scenes.HELD_OUT + i}_{k}.{mime.split('/')[1]}", data, mime))

@@ -83,7 +83,12 @@ def _words(shapes):
 def scene(seed):
     """(PIL image, shapes as [(shape, colour, x)]) of scene `seed`."""
     img, placed = layout(seed)
-    return img, [(shape, colour, cx) for shape, colour, cx, _, _ in placed]
+    return img, _named(placed)
+
+
+def _named(placed):
+    """A layout's shapes as the questions read them: [(shape, colour, x)]."""
+    return [(shape, colour, cx) for shape, colour, cx, _, _ in placed]
 
 
 def layout(seed):
@@ -97,19 +102,18 @@ def layout(seed):
             x, y = rng.randrange(SIDE), rng.randrange(SIDE)
             shade = tuple(max(0, v - rng.randrange(6, 16)) for v in bg)
             d.line([(x, y), (x + rng.randrange(-20, 20), y + rng.randrange(-20, 20))], fill=shade, width=1)
-    shapes, boxes = [], []
+    shapes = []
     for _ in range(rng.randint(1, 4)):
         for _try in range(50):
             r = rng.uniform(9, 16)
             cx, cy = rng.uniform(r + 2, SIDE - r - 2), rng.uniform(r + 2, SIDE - r - 2)
-            if all(math.hypot(cx - x, cy - y) > r + rr + 3 for x, y, rr in boxes):
+            if all(math.hypot(cx - x, cy - y) > r + rr + 3 for _, _, x, y, rr in shapes):
                 break
         else:
             continue
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         _draw(d, shape, cx, cy, r, COLOURS[colour], rng.uniform(-0.25, 0.25), bg)
         shapes.append((shape, colour, cx, cy, r))
-        boxes.append((cx, cy, r))
     if rng.random() < 0.5:
         img = img.filter(ImageFilter.GaussianBlur(rng.uniform(0.2, 0.6)))
     return img, shapes
@@ -158,15 +162,16 @@ PAIR = 5 * 10**8
 
 def item(seed, rng):
     """One question about scene `seed` (about 12% of them about it and scene `seed + PAIR`):
-    ([(image, its seed)], question, answer, kind), the question drawn with `rng`. Training,
-    the training script's evaluation and the evaluation through a server all draw this way."""
+    ([(image, its seed, its layout)], question, answer, kind), the question drawn with `rng`.
+    Training, the training script's evaluation and the evaluation through a server all draw
+    this way."""
     if rng.random() < 0.12:
-        (a, sa), (b, sb) = scene(seed), scene(seed + PAIR)
-        kind, q, ans = compare(sa, sb)
-        return [(a, seed), (b, seed + PAIR)], q, ans, kind
-    img, shapes = scene(seed)
-    kind, q, ans = rng.choice(questions(shapes, rng))
-    return [(img, seed)], q, ans, kind
+        (a, la), (b, lb) = layout(seed), layout(seed + PAIR)
+        kind, q, ans = compare(la, lb)
+        return [(a, seed, la), (b, seed + PAIR, lb)], q, ans, kind
+    img, placed = layout(seed)
+    kind, q, ans = rng.choice(questions(_named(placed), rng))
+    return [(img, seed, placed)], q, ans, kind
 
 
 if __name__ == "__main__":

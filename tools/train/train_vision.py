@@ -113,15 +113,14 @@ def example(seed, rng):
     image), each image through the PNG or JPEG encoding a server is sent (so JPEG's
     artefacts are in training too)."""
     images, q, ans, kind = scenes.item(seed, rng)
-    decoded = [Image.open(io.BytesIO(scenes.encode(img, s))).convert("RGB") for img, s in images]
-    return decoded, q, ans, kind, [patch_labels(s) for _, s in images]
+    decoded = [Image.open(io.BytesIO(scenes.encode(img, s))).convert("RGB") for img, s, _ in images]
+    return decoded, q, ans, kind, [patch_labels(placed) for _, _, placed in images]
 
 
-def patch_labels(seed):
-    """Per patch of scene `seed`, in the tower's token order (rows of patches): the shape
-    (1 + its index in SHAPES) and the colour (1 + its index in COLOURS) of the shape whose
-    disc covers the patch's centre, 0 where none does."""
-    _, placed = scenes.layout(seed)
+def patch_labels(placed):
+    """Per patch of a scene with layout `placed`, in the tower's token order (rows of
+    patches): the shape (1 + its index in SHAPES) and the colour (1 + its index in COLOURS)
+    of the shape whose disc covers the patch's centre, 0 where none does."""
     grid = SIDE // PATCH
     shapes, colours = [0] * grid * grid, [0] * grid * grid
     for i in range(grid):
