@@ -28,18 +28,6 @@ MMSERVE_LOG=warn timeout 150 $bin bench engine --model /tmp/qwen25 --clients 1 -
 echo "== Qwen-VL tiny fixtures through serve"
 timeout 90 python3 benches/gpu/qwen_vl_smoke.py $bin 2>&1 | grep -E "identical|DIFFERENT|Error"
 echo "== preprocessing threads: bench preprocess --threads on this machine's CPUs"
-python3 - <<'PY'
-import os
-import numpy as np
-from PIL import Image
-os.makedirs("/tmp/pp", exist_ok=True)
-for size in (256, 512, 1024, 2048):
-    rng = np.random.default_rng(size)
-    y, x = np.mgrid[0:size, 0:size] / size
-    base = np.stack([np.sin(6 * x + 2 * y), np.cos(5 * y - 3 * x), np.sin(4 * (x + y))], -1)
-    img = Image.fromarray(((base * 0.4 + 0.5 + rng.normal(0, 0.04, (size, size, 3))).clip(0, 1) * 255).astype(np.uint8))
-    img.save(f"/tmp/pp/img{size}.jpg", "JPEG", quality=90)
-    img.save(f"/tmp/pp/img{size}.png", "PNG")
-PY
+python3 benches/preprocess/images.py /tmp/pp
 timeout 120 $bin bench preprocess --preprocessor benches/preprocess/configs/clip-336/preprocessor_config.json \
   --repeat 3 --threads 1,2,4,8,16 /tmp/pp/img*.jpg /tmp/pp/img*.png 2>&1 | grep threads

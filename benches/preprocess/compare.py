@@ -42,30 +42,17 @@ from transformers import (  # noqa: E402
 )
 from transformers.models.whisper import feature_extraction_whisper  # noqa: E402
 
+import images  # noqa: E402  (this directory's images.py)
+
 torch.set_num_threads(1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SIZES = [256, 512, 1024, 2048]
+SIZES = images.SIZES
 REPEAT = {256: 40, 512: 20, 1024: 8, 2048: 4}
 
 
-def photo(size, seed):
-    """Smooth colour fields plus fine noise: compresses like a photograph."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size] / size
-    base = np.stack([np.sin(6 * x + 2 * y), np.cos(5 * y - 3 * x), np.sin(4 * (x + y))], -1)
-    img = (base * 0.4 + 0.5 + rng.normal(0, 0.04, (size, size, 3))).clip(0, 1)
-    return Image.fromarray((img * 255).astype(np.uint8))
-
-
 def make_inputs(d):
-    files = []
-    for size in SIZES:
-        img = photo(size, size)
-        for fmt, ext in (("JPEG", "jpg"), ("PNG", "png")):
-            p = os.path.join(d, f"img{size}.{ext}")
-            img.save(p, fmt, quality=90) if fmt == "JPEG" else img.save(p, fmt)
-            files.append((p, size))
+    files = images.write(d)
     t = np.arange(30 * 16000) / 16000
     wave = (0.3 * np.sin(2 * np.pi * (200 + 300 * t) * t) + 0.05 * np.random.default_rng(0).normal(size=t.size))
     audio = os.path.join(d, "speech30s.wav")
