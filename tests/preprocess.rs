@@ -102,7 +102,7 @@ fn bench_preprocess_reports_each_file_and_each_thread_count() {
     assert_eq!(lines[3]["threads"], 2);
     assert!(lines[3]["items_per_second"].as_f64().unwrap() > 0.0, "{lines:?}");
 
-    // A file that is not an image is an error that names the problem, not a hang.
+    // A file that is not an image fails the run with an error that names the problem.
     let tmp = common::cache::temp_dir("bench-preprocess");
     let bad = tmp.join("bad.jpg");
     std::fs::write(&bad, b"not an image").unwrap();
